@@ -1,0 +1,235 @@
+"""The chunkwise WY/UT form (seed 002) in plain XLA, float32 accumulation.
+
+Split the sequence into chunks of C tokens. Inside a chunk, with the state S_0 at its start, G_t the in-chunk
+cumulative log-decay (a scalar or one per key channel) and every pair (t, s) restricted to one document:
+
+    A_ts  = beta_t sum_c k_tc k_sc exp(G_tc - G_sc)          s < t         (strictly lower, C x C)
+    W     = (I + A)^-1 diag(beta) (carry * exp(G) * K)       the "w" factor, C x K
+    U0    = (I + A)^-1 diag(beta) V                          the "u" factor, C x V
+    U     = U0 - W S_0                                       the per-token updates u_t
+    O     = scale [ (carry * exp(G) * Q) S_0 + (Q K^T (.) exp(G_t - G_s), s <= t) U ]
+    S_end = M S_0 + E,  M = Diag(carry_C exp(G_C)) - K_end^T W,  E = K_end^T U0,
+            K_end = tail * exp(G_C - G) * K
+
+(linear attention is the same with W = 0 and U0 = V). `carry_t` says token t still belongs to the document that
+was open when the chunk started, `tail_s` that token s belongs to the document open at the chunk's end. Masks are
+applied before every `exp`, and every decay is a difference of cumulative log-gates that is <= 0, so nothing can
+overflow. Per-channel decays use 16-token sub-chunks with the last gate of the earlier sub-chunk as reference so
+that both factors of each product stay <= 1.
+
+Chunk states pass either sequentially (`lax.scan` over chunks) or through the associative composition of the
+affine chunk maps S_end = M S_0 + E (`lax.associative_scan`), which is what sequence parallelism builds on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deltajax.rules.common import HIGHEST, document_index, repeat_key_heads
+
+SUB_CHUNK = 16
+
+
+def _einsum(spec, *operands):
+    return jnp.einsum(spec, *operands, precision=HIGHEST)
+
+
+def _to_chunks(x, num_chunks, chunk_size):
+    """[B, T_pad, H, ...] -> [B, H, N, C, ...]."""
+    B, _, H = x.shape[:3]
+    x = x.reshape(B, num_chunks, chunk_size, H, *x.shape[3:])
+    return jnp.moveaxis(x, 3, 1)
+
+
+def _pad_time(x, pad, mode="constant"):
+    if pad == 0 or x is None:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(x, widths, mode=mode)
+
+
+def pair_scores(a, b, cum_log_decay, mask):
+    """sum_c a_tc b_sc exp(G_tc - G_sc) where `mask` (s <= t and same document), else 0.
+
+    a, b: [..., C, K]; cum_log_decay: None, [..., C] or [..., C, K] (non-increasing along C); mask: bool
+    broadcastable to [..., C, C] and never true above the diagonal.
+    """
+    scores = _einsum("...tk,...sk->...ts", a, b)
+    if cum_log_decay is None:
+        return jnp.where(mask, scores, 0.0)
+    if cum_log_decay.ndim == a.ndim - 1:
+        diff = cum_log_decay[..., :, None] - cum_log_decay[..., None, :]
+        return scores * jnp.exp(jnp.where(mask, diff, -jnp.inf))
+    return jnp.where(mask, _pair_scores_channel(a, b, cum_log_decay), 0.0)
+
+
+def _pair_scores_channel(a, b, G):
+    """Lower-triangular (s <= t) part of sum_c a_tc b_sc exp(G_tc - G_sc) for per-channel G, overflow-free."""
+    *lead, C, K = a.shape
+    s = min(SUB_CHUNK, C)
+    n = C // s
+    a_ = a.reshape(*lead, n, s, K)
+    b_ = b.reshape(*lead, n, s, K)
+    G_ = G.reshape(*lead, n, s, K)
+    # Diagonal sub-chunks: the exact pairwise exponent, masked to s <= t before exp.
+    lower = jnp.tril(jnp.ones((s, s), bool))[:, :, None]
+    diff = G_[..., :, :, None, :] - G_[..., :, None, :, :]
+    diag = jnp.sum(a_[..., :, :, None, :] * b_[..., :, None, :, :] * jnp.exp(jnp.where(lower, diff, -jnp.inf)),
+                   axis=-1)
+    if n == 1:
+        return diag.reshape(*lead, C, C)
+    # Sub-chunk i > j: split exp(G_t - G_s) at the last gate of sub-chunk j, G_ref, so both factors are <= 1.
+    ref = G_[..., :, -1, :]  # [..., n, K]
+    later = (jnp.arange(n)[:, None] > jnp.arange(n)[None, :])[:, :, None, None]
+    left = a_[..., :, None, :, :] * jnp.exp(
+        jnp.where(later, G_[..., :, None, :, :] - ref[..., None, :, None, :], -jnp.inf))  # [..., i, j, t, K]
+    right = b_ * jnp.exp(ref[..., :, None, :] - G_)  # [..., j, s, K]
+    off = _einsum("...ijtk,...jsk->...ijts", left, right)
+    eye = jnp.eye(n, dtype=bool)[:, :, None, None]
+    blocks = jnp.where(eye, diag[..., :, None, :, :], off)  # off is already 0 for i < j
+    blocks = jnp.swapaxes(blocks, -3, -2)  # [..., i, t, j, s]
+    return blocks.reshape(*lead, C, C)
+
+
+def _decay_to(cum_log_decay, like):
+    """exp(G) shaped to multiply rows of `like` ([..., C, K])."""
+    if cum_log_decay is None:
+        return jnp.ones(like.shape[:-1] + (1,), like.dtype)
+    e = jnp.exp(cum_log_decay)
+    return e[..., None] if e.ndim == like.ndim - 1 else e
+
+
+def chunk_factors(q, k, v, beta, log_decay, *, segment_ids, chunk_size):
+    """Everything chunk-local: returns a dict of [B, Hv, N, C, ...] float32 arrays and masks.
+
+    Keys: q, k (heads repeated to Hv), w (None for linear attention), u0, g (cumulative log-decay or None),
+    carry [B,1,N,C,1], intra mask [B,1,N,C,C] (s <= t, same document), k_end, gamma_end ([..., 1] or [..., K]).
+    """
+    B, T, _, K = q.shape
+    Hv = v.shape[2]
+    C = chunk_size
+    N = -(-T // C)
+    pad = N * C - T
+    f32 = jnp.float32
+    cast = lambda x: None if x is None else x.astype(f32)
+    q = _pad_time(repeat_key_heads(cast(q), Hv), pad)
+    k = _pad_time(repeat_key_heads(cast(k), Hv), pad)
+    v = _pad_time(cast(v), pad)
+    # Padding tokens have k = 0, beta = 0 and no decay: they leave the state unchanged.
+    beta = _pad_time(cast(beta), pad)
+    log_decay = _pad_time(cast(log_decay), pad)
+    doc = _pad_time(document_index(segment_ids, B, T), pad, mode="edge")
+
+    qc, kc, vc = (_to_chunks(x, N, C) for x in (q, k, v))
+    g = None if log_decay is None else jnp.cumsum(_to_chunks(log_decay, N, C), axis=3)
+    doc = doc.reshape(B, 1, N, C)
+    doc_before = jnp.concatenate([doc[:, :, :1, :1], doc[:, :, :-1, -1:]], axis=2)  # last doc of previous chunk
+    carry = doc == doc_before  # [B, 1, N, C]
+    tail = doc == doc[..., -1:]
+    same_doc = doc[..., :, None] == doc[..., None, :]
+    causal = jnp.tril(jnp.ones((C, C), bool))
+    intra = same_doc & causal
+
+    decay_from_start = _decay_to(g, kc)  # exp(G_t)
+    if g is None:
+        decay_to_end = jnp.ones_like(decay_from_start)
+        gamma_end = jnp.ones(kc.shape[:3] + (1,), f32)
+    else:
+        g_last = g[:, :, :, -1]
+        decay_to_end = _decay_to(g_last[:, :, :, None] - g, kc)  # exp(G_C - G_s) <= 1
+        gamma_end = jnp.exp(g_last)
+        gamma_end = gamma_end[..., None] if gamma_end.ndim == 3 else gamma_end
+    gamma_end = gamma_end * carry[..., -1:]  # the state survives the chunk only if no document starts in it
+    k_end = tail[..., None] * decay_to_end * kc
+
+    if beta is None:
+        w, u0 = None, vc
+    else:
+        bc = _to_chunks(beta, N, C)[..., None]
+        strict = same_doc & jnp.tril(jnp.ones((C, C), bool), -1)
+        a = bc * pair_scores(kc, kc, g, strict)
+        eye = jnp.eye(C, dtype=f32)
+        lhs = eye + a
+        rhs_w = bc * carry[..., None] * decay_from_start * kc
+        rhs_u = bc * vc
+        w = jax.lax.linalg.triangular_solve(lhs, rhs_w, left_side=True, lower=True, unit_diagonal=True)
+        u0 = jax.lax.linalg.triangular_solve(lhs, rhs_u, left_side=True, lower=True, unit_diagonal=True)
+    return dict(q=qc, k=kc, w=w, u0=u0, g=g, carry=carry[..., None], intra=intra,
+                q_from_start=carry[..., None] * decay_from_start * qc, k_end=k_end, gamma_end=gamma_end)
+
+
+def chunk_state_map(factors):
+    """The affine map of every chunk, S_end = M S_0 + E: M [B, Hv, N, K, K], E [B, Hv, N, K, V]."""
+    k_end, w, u0, gamma_end = factors["k_end"], factors["w"], factors["u0"], factors["gamma_end"]
+    K = k_end.shape[-1]
+    m = jnp.eye(K, dtype=jnp.float32) * gamma_end[..., None, :]  # Diag(gamma_end); a scalar broadcasts
+    if w is not None:
+        m = m - _einsum("...ck,...cj->...kj", k_end, w)
+    e = _einsum("...ck,...cv->...kv", k_end, u0)
+    return m, e
+
+
+def compose_state_maps(first, second):
+    """(M2, E2) after (M1, E1): S -> M2 (M1 S + E1) + E2. Associative; the operator of `associative_scan`."""
+    m1, e1 = first
+    m2, e2 = second
+    return _einsum("...ij,...jk->...ik", m2, m1), _einsum("...ij,...jv->...iv", m2, e1) + e2
+
+
+def _states_sequential(factors, initial_state):
+    """Start state of every chunk [B, Hv, N, K, V] and the final state, by a scan over chunks."""
+    w, u0, k_end, gamma_end = factors["w"], factors["u0"], factors["k_end"], factors["gamma_end"]
+    B, Hv, N, C, V = u0.shape
+    K = k_end.shape[-1]
+    state = jnp.zeros((B, Hv, K, V), jnp.float32) if initial_state is None else initial_state
+
+    def step(S, x):
+        u = x["u0"] if x["w"] is None else x["u0"] - _einsum("bhck,bhkv->bhcv", x["w"], S)
+        gamma = x["gamma_end"]
+        S_end = gamma[..., :, None] * S + _einsum("bhck,bhcv->bhkv", x["k_end"], u)
+        return S_end, S
+
+    xs = dict(w=None if w is None else jnp.moveaxis(w, 2, 0), u0=jnp.moveaxis(u0, 2, 0),
+              k_end=jnp.moveaxis(k_end, 2, 0), gamma_end=jnp.moveaxis(gamma_end, 2, 0))
+    final, starts = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(starts, 0, 2), final
+
+
+def _states_associative(factors, initial_state):
+    """Same as `_states_sequential`, by an associative scan over the chunk maps (log depth)."""
+    m, e = chunk_state_map(factors)
+    m_cum, e_cum = jax.lax.associative_scan(compose_state_maps, (m, e), axis=2)
+    if initial_state is None:
+        after = e_cum
+    else:
+        after = _einsum("bhnij,bhjv->bhniv", m_cum, initial_state) + e_cum
+    B, Hv, N, K, V = e.shape
+    first = (jnp.zeros((B, Hv, 1, K, V), jnp.float32) if initial_state is None else initial_state[:, :, None])
+    starts = jnp.concatenate([first, after[:, :, :-1]], axis=2)
+    return starts, after[:, :, -1]
+
+
+def chunk_outputs(factors, starts, scale):
+    """O for every chunk given its start state: [B, Hv, N, C, V] float32."""
+    u = factors["u0"] if factors["w"] is None else factors["u0"] - _einsum("bhnck,bhnkv->bhncv", factors["w"], starts)
+    inter = _einsum("bhnck,bhnkv->bhncv", factors["q_from_start"], starts)
+    scores = pair_scores(factors["q"], factors["k"], factors["g"], factors["intra"])
+    intra = _einsum("bhnts,bhnsv->bhntv", scores, u)
+    return scale * (inter + intra)
+
+
+def chunked(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64,
+            state_passing="sequential"):
+    """The chunked form of both ops (`beta is None` is linear attention). Shapes as in `dispatch`."""
+    B, T = q.shape[:2]
+    factors = chunk_factors(q, k, v, beta, log_decay, segment_ids=segment_ids, chunk_size=chunk_size)
+    if state_passing == "associative":
+        starts, final = _states_associative(factors, initial_state)
+    else:
+        starts, final = _states_sequential(factors, initial_state)
+    o = chunk_outputs(factors, starts, scale)  # [B, Hv, N, C, V]
+    Hv, N, C, V = o.shape[1:]
+    o = jnp.moveaxis(o.reshape(B, Hv, N * C, V), 1, 2)[:, :T]
+    return o.astype(v.dtype), final

@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deltajax.rules.common import HIGHEST, document_index, repeat_key_heads
+from deltajax.rules.common import HIGHEST, document_index, repeat_key_heads, zero_state
 
 SUB_CHUNK = 16
 
@@ -183,7 +183,7 @@ def _states_sequential(factors, initial_state):
     w, u0, k_end, gamma_end = factors["w"], factors["u0"], factors["k_end"], factors["gamma_end"]
     B, Hv, N, C, V = u0.shape
     K = k_end.shape[-1]
-    state = jnp.zeros((B, Hv, K, V), jnp.float32) if initial_state is None else initial_state
+    state = zero_state(u0, B, Hv, K, V) if initial_state is None else initial_state
 
     def step(S, x):
         u = x["u0"] if x["w"] is None else x["u0"] - _einsum("bhck,bhkv->bhcv", x["w"], S)
@@ -206,7 +206,7 @@ def _states_associative(factors, initial_state):
     else:
         after = _einsum("bhnij,bhjv->bhniv", m_cum, initial_state) + e_cum
     B, Hv, N, K, V = e.shape
-    first = (jnp.zeros((B, Hv, 1, K, V), jnp.float32) if initial_state is None else initial_state[:, :, None])
+    first = (zero_state(e, B, Hv, K, V)[:, :, None] if initial_state is None else initial_state[:, :, None])
     starts = jnp.concatenate([first, after[:, :, :-1]], axis=2)
     return starts, after[:, :, -1]
 

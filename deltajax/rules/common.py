@@ -30,3 +30,9 @@ def resets(segment_ids, batch: int, seq_len: int):
     if segment_ids is None:
         return jnp.zeros((batch, seq_len), bool)
     return jnp.concatenate([jnp.zeros((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+
+def zero_state(like, batch: int, heads: int, key_dim: int, value_dim: int):
+    """A float32 zero state [B, H, K, V] that carries `like`'s sharding type, so a `lax.scan` carry started from
+    it type-checks inside `shard_map` (a plain `jnp.zeros` would be replicated while the carry becomes varying)."""
+    return jnp.zeros_like(like, shape=(batch, heads, key_dim, value_dim), dtype=jnp.float32)

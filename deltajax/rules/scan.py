@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deltajax.rules.common import HIGHEST, repeat_key_heads, resets
+from deltajax.rules.common import HIGHEST, repeat_key_heads, resets, zero_state
 
 
 def recurrent_scan(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=None,
@@ -27,7 +27,7 @@ def recurrent_scan(q, k, v, beta, log_decay, *, scale, initial_state, segment_id
     k = repeat_key_heads(k, Hv).astype(f32)
     out_dtype = v.dtype
     v = v.astype(f32)
-    state = jnp.zeros((B, Hv, K, V), f32) if initial_state is None else initial_state.astype(f32)
+    state = zero_state(v, B, Hv, K, V) if initial_state is None else initial_state.astype(f32)
     reset = resets(segment_ids, B, T)
 
     def time_major(x):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from deltajax import rules
+from deltajax.rules import sequence_parallel
 from deltajax.nn.config import MIXER_LETTERS, RAW_KEY_STEP_RULES, ModelConfig
 from deltajax.nn.layers import GatedRMSNorm, Linear, RMSNorm, ShortConvolution, apply_rope, l2_normalise
 from deltajax.rules.common import document_index
@@ -175,25 +176,29 @@ class DeltaRuleMixer(nnx.Module):
         return dict(q=q, k=k, v=v.astype(cdt), param=param, log_decay=log_decay, gate=gate), new_tail
 
     def apply_rule(self, inputs, *, initial_state=None, segment_ids=None, impl=None):
-        """(o [B, T, Hv, V], final_state [B, Hv, K, V] float32) from `rule_inputs`, through deltajax.rules."""
+        """(o [B, T, Hv, V], final_state [B, Hv, K, V] float32) from `rule_inputs`, through deltajax.rules.
+
+        The sequence-parallel entry points are the plain rules unless a `use_sequence_parallel` context is
+        active (the trainer opens one when the sequence is sharded over devices).
+        """
         q, k, v, param, log_decay = (inputs[n] for n in ("q", "k", "v", "param", "log_decay"))
         kw = dict(initial_state=initial_state, segment_ids=segment_ids, return_final_state=True,
                   impl=self.impl if impl is None else impl, chunk_size=self.chunk_size)
         if self.rule == "linear_attention":
-            return rules.linear_attention(q, k, v, None, **kw)
+            return sequence_parallel.linear_attention(q, k, v, None, **kw)
         if self.step_rule == "kaczmarz":
-            return rules.kaczmarz(q, k, v, log_decay, **kw)
+            return sequence_parallel.kaczmarz(q, k, v, log_decay, **kw)
         if self.step_rule == "relaxed_kaczmarz":
-            return rules.relaxed_kaczmarz(q, k, v, param, log_decay, eps=self.relaxed_kaczmarz_eps, **kw)
+            return sequence_parallel.relaxed_kaczmarz(q, k, v, param, log_decay, eps=self.relaxed_kaczmarz_eps, **kw)
         if self.step_rule == "longhorn":
-            return rules.longhorn(q, k, v, param, log_decay, **kw)
+            return sequence_parallel.longhorn(q, k, v, param, log_decay, **kw)
         if self.step_rule == "efla":
-            return rules.efla(q, k, v, param, log_decay, **kw)
+            return sequence_parallel.efla(q, k, v, param, log_decay, **kw)
         if self.rule == "deltanet":
-            return rules.deltanet(q, k, v, param, **kw)
+            return sequence_parallel.deltanet(q, k, v, param, **kw)
         if self.rule == "gated_deltanet":
-            return rules.gated_deltanet(q, k, v, param, log_decay, **kw)
-        return rules.kda(q, k, v, param, log_decay, **kw)
+            return sequence_parallel.gated_deltanet(q, k, v, param, log_decay, **kw)
+        return sequence_parallel.kda(q, k, v, param, log_decay, **kw)
 
     def project_output(self, o, gate):
         """W_o (rmsnorm(o) * act(gate)) per value head; o [B, T, Hv, V] -> [B, T, d]."""

@@ -4,7 +4,13 @@
 
 Each size is BxTxHxD (K = V = D, as many value heads as key heads). Times are medians over --iters runs after
 --warmup runs, taken with block_until_ready. The memory floor counts reading q, k, v, beta and the log-decay once
-and writing o and the final state once, over --bandwidth_gbs.
+and writing o and the final state once, over --bandwidth_gbs. Forward+backward differentiates a sum of squares of o
+with respect to every floating input (q, k, v, beta, log-decay). "vs chunk" is the XLA chunk form's time over this
+row's (forward / forward+backward), when chunk is among --impls. --peak_memory adds the device's peak bytes in use
+(cumulative over the process: put the largest size last, or run it alone).
+
+    python experiments/bench_rules.py --impls=chunk,chunk_assoc,pallas \
+        --sizes=8x2048x16x128,2x8192x16x128,1x32768x16x128
 """
 
 from __future__ import annotations
@@ -31,7 +37,12 @@ flags.DEFINE_integer("warmup", 2, "Untimed runs before timing.")
 flags.DEFINE_integer("iters", 10, "Timed runs (the median is reported).")
 flags.DEFINE_bool("backward", True, "Also time forward+backward.")
 flags.DEFINE_float("bandwidth_gbs", 2500.0, "Memory bandwidth for the floor (H100 measured: about 2500 GB/s).")
+flags.DEFINE_enum("chunk_inverse", "solve", ["blocked", "solve"],
+                  "How the chunk form inverts (I + A): 16x16 forward substitution + merges, or XLA's triangular solve.")
+flags.DEFINE_enum("chunk_precision", "auto", ["auto", "highest"],
+                  "Matmul precision of the chunk form: by input dtype (auto) or IEEE fp32 always (highest).")
 flags.DEFINE_integer("max_scan_tokens", 1 << 16, "Skip the scan above this many B*T tokens (it is slow).")
+flags.DEFINE_bool("peak_memory", False, "Print the device's peak memory in use after each row.")
 
 
 def make_inputs(rule, B, T, H, D, dtype, seed=0):
@@ -86,14 +97,22 @@ def floor_bytes(B, T, H, D, dtype, rule):
 def main(argv):
     del argv
     dtype = jnp.dtype(FLAGS.dtype)
+    from deltajax.rules import chunk as chunk_form
+
+    chunk_form.INVERSE_METHOD = FLAGS.chunk_inverse
+    if FLAGS.chunk_precision == "highest":
+        chunk_form.matmul_precision = lambda dtype: jax.lax.Precision.HIGHEST
     device = jax.devices()[0]
+    print(f"# chunk form: inverse={FLAGS.chunk_inverse}, precision={FLAGS.chunk_precision}")
     print(f"# {FLAGS.rule}, {dtype.name}, {device.platform}: {device.device_kind}, jax {jax.__version__}")
-    print("| impl | BxTxHxD | fwd ms | fwd+bwd ms | fwd GB/s | floor / fwd |")
-    print("|---|---|---|---|---|---|")
+    print("| impl | BxTxHxD | fwd ms | fwd+bwd ms | fwd GB/s | floor / fwd | vs chunk (fwd / fwd+bwd) |"
+          + (" peak GiB |" if FLAGS.peak_memory else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if FLAGS.peak_memory else ""))
     for size in FLAGS.sizes:
         B, T, H, D = (int(x) for x in size.split("x"))
         args = make_inputs(FLAGS.rule, B, T, H, D, dtype)
         floor_ms = floor_bytes(B, T, H, D, dtype, FLAGS.rule) / (FLAGS.bandwidth_gbs * 1e9) * 1e3
+        chunk_times = None
         for impl in FLAGS.impls:
             if impl == "scan" and B * T > FLAGS.max_scan_tokens:
                 continue
@@ -109,13 +128,27 @@ def main(argv):
             except ValueError as error:  # e.g. a kernel that does not support this size
                 print(f"| {impl} | {size} | unsupported: {error} | | | |")
                 continue
-            bwd_text = ""
+            bwd, bwd_text = None, ""
             if FLAGS.backward:
                 loss = lambda q, k, v, b, g: jnp.sum(fn(q, k, v, b, g)[0].astype(jnp.float32) ** 2)
-                grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                bwd_text = f"{median_ms(grad, args, FLAGS.warmup, FLAGS.iters):.3f}"
+                argnums = tuple(i for i, a in enumerate(args) if a is not None)
+                grad = jax.jit(jax.grad(loss, argnums=argnums))
+                bwd = median_ms(grad, args, FLAGS.warmup, FLAGS.iters)
+                bwd_text = f"{bwd:.3f}"
+            if impl == "chunk":
+                chunk_times = (fwd, bwd)
+            speedup = ""
+            if chunk_times is not None:
+                speedup = f"{chunk_times[0] / fwd:.1f}x"
+                if bwd is not None and chunk_times[1] is not None:
+                    speedup += f" / {chunk_times[1] / bwd:.1f}x"
             gbs = floor_bytes(B, T, H, D, dtype, FLAGS.rule) / (fwd * 1e-3) / 1e9
-            print(f"| {impl} | {size} | {fwd:.3f} | {bwd_text} | {gbs:.0f} | {floor_ms / fwd:.3f} |", flush=True)
+            peak = ""
+            if FLAGS.peak_memory:
+                stats = device.memory_stats() or {}
+                peak = f" {stats.get('peak_bytes_in_use', float('nan')) / 2**30:.1f} |"
+            print(f"| {impl} | {size} | {fwd:.3f} | {bwd_text} | {gbs:.0f} | {floor_ms / fwd:.3f} | {speedup} |{peak}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,59 @@ import jax.numpy as jnp
 from deltajax.rules.common import HIGHEST, document_index, repeat_key_heads, zero_state
 
 SUB_CHUNK = 16
+# How (I + A)^-1 is formed: "blocked" inverts the 16 x 16 diagonal blocks by fp32 forward substitution and merges
+# them (X21 = -X22 L21 X11); "solve" calls XLA's batched triangular solve. Both are exact in fp32.
+INVERSE_METHOD = "solve"
+INVERSE_BLOCK = 16
 
 
-def _einsum(spec, *operands):
-    return jnp.einsum(spec, *operands, precision=HIGHEST)
+def matmul_precision(dtype):
+    """fp32 inputs get IEEE fp32 products (the oracle-grade path); 16-bit inputs get the backend's default
+    (TF32 tensor cores on GPU) with fp32 accumulation, whose rounding sits below the inputs' own."""
+    return HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def _einsum(spec, *operands, precision=HIGHEST):
+    return jnp.einsum(spec, *operands, precision=precision)
+
+
+def unit_lower_inverse(lower, method=None):
+    """(I + A)^-1 for `lower` = I + A, A strictly lower triangular: [..., C, C] float32, exact in fp32.
+
+    Never by Neumann series or doubling (powers of A overflow for correlated keys).
+    """
+    method = method or INVERSE_METHOD
+    C = lower.shape[-1]
+    eye = jnp.eye(C, dtype=lower.dtype)
+    if method == "solve":
+        return jax.lax.linalg.triangular_solve(lower, jnp.broadcast_to(eye, lower.shape), left_side=True,
+                                               lower=True, unit_diagonal=True)
+    b = min(INVERSE_BLOCK, C)
+    n = C // b
+    lead = lower.shape[:-2]
+    blocks = lower.reshape(*lead, n, b, n, b)
+    diagonal = jnp.stack([blocks[..., i, :, i, :] for i in range(n)], axis=-3)  # [..., n, b, b]
+    # Forward substitution, row by row: X_i = e_i - sum_{j<i} L_ij X_j (elementwise fp32, no dot precision).
+    rows = []
+    for i in range(b):
+        row = jnp.zeros(diagonal.shape[:-2] + (b,), lower.dtype).at[..., i].set(1.0)
+        for j in range(i):
+            row = row - diagonal[..., i, j, None] * rows[j]
+        rows.append(row)
+    inverses = [x for x in jnp.moveaxis(jnp.stack(rows, axis=-2), -3, 0)]  # n blocks of [..., b, b]
+    size = b
+    while len(inverses) > 1:
+        merged = []
+        for j in range(0, len(inverses), 2):
+            top, bottom = j * size, (j + 1) * size
+            l21 = lower[..., bottom:bottom + size, top:top + size]
+            x11, x22 = inverses[j], inverses[j + 1]
+            x21 = -_einsum("...ij,...jk,...kl->...il", x22, l21, x11)
+            zeros = jnp.zeros_like(x11)
+            merged.append(jnp.concatenate([jnp.concatenate([x11, zeros], axis=-1),
+                                           jnp.concatenate([x21, x22], axis=-1)], axis=-2))
+        inverses, size = merged, size * 2
+    return inverses[0]
 
 
 def _to_chunks(x, num_chunks, chunk_size):
@@ -50,22 +99,22 @@ def _pad_time(x, pad, mode="constant"):
     return jnp.pad(x, widths, mode=mode)
 
 
-def pair_scores(a, b, cum_log_decay, mask):
+def pair_scores(a, b, cum_log_decay, mask, precision=HIGHEST):
     """sum_c a_tc b_sc exp(G_tc - G_sc) where `mask` (s <= t and same document), else 0.
 
     a, b: [..., C, K]; cum_log_decay: None, [..., C] or [..., C, K] (non-increasing along C); mask: bool
     broadcastable to [..., C, C] and never true above the diagonal.
     """
-    scores = _einsum("...tk,...sk->...ts", a, b)
+    scores = _einsum("...tk,...sk->...ts", a, b, precision=precision)
     if cum_log_decay is None:
         return jnp.where(mask, scores, 0.0)
     if cum_log_decay.ndim == a.ndim - 1:
         diff = cum_log_decay[..., :, None] - cum_log_decay[..., None, :]
         return scores * jnp.exp(jnp.where(mask, diff, -jnp.inf))
-    return jnp.where(mask, _pair_scores_channel(a, b, cum_log_decay), 0.0)
+    return jnp.where(mask, _pair_scores_channel(a, b, cum_log_decay, precision), 0.0)
 
 
-def _pair_scores_channel(a, b, G):
+def _pair_scores_channel(a, b, G, precision):
     """Lower-triangular (s <= t) part of sum_c a_tc b_sc exp(G_tc - G_sc) for per-channel G, overflow-free."""
     *lead, C, K = a.shape
     s = min(SUB_CHUNK, C)
@@ -86,7 +135,7 @@ def _pair_scores_channel(a, b, G):
     left = a_[..., :, None, :, :] * jnp.exp(
         jnp.where(later, G_[..., :, None, :, :] - ref[..., None, :, None, :], -jnp.inf))  # [..., i, j, t, K]
     right = b_ * jnp.exp(ref[..., :, None, :] - G_)  # [..., j, s, K]
-    off = _einsum("...ijtk,...jsk->...ijts", left, right)
+    off = _einsum("...ijtk,...jsk->...ijts", left, right, precision=precision)
     eye = jnp.eye(n, dtype=bool)[:, :, None, None]
     blocks = jnp.where(eye, diag[..., :, None, :, :], off)  # off is already 0 for i < j
     blocks = jnp.swapaxes(blocks, -3, -2)  # [..., i, t, j, s]
@@ -113,6 +162,7 @@ def chunk_factors(q, k, v, beta, log_decay, *, segment_ids, chunk_size):
     N = -(-T // C)
     pad = N * C - T
     f32 = jnp.float32
+    precision = matmul_precision(v.dtype)
     cast = lambda x: None if x is None else x.astype(f32)
     q = _pad_time(repeat_key_heads(cast(q), Hv), pad)
     k = _pad_time(repeat_key_heads(cast(k), Hv), pad)
@@ -149,33 +199,33 @@ def chunk_factors(q, k, v, beta, log_decay, *, segment_ids, chunk_size):
     else:
         bc = _to_chunks(beta, N, C)[..., None]
         strict = same_doc & jnp.tril(jnp.ones((C, C), bool), -1)
-        a = bc * pair_scores(kc, kc, g, strict)
-        eye = jnp.eye(C, dtype=f32)
-        lhs = eye + a
-        rhs_w = bc * carry[..., None] * decay_from_start * kc
-        rhs_u = bc * vc
-        w = jax.lax.linalg.triangular_solve(lhs, rhs_w, left_side=True, lower=True, unit_diagonal=True)
-        u0 = jax.lax.linalg.triangular_solve(lhs, rhs_u, left_side=True, lower=True, unit_diagonal=True)
-    return dict(q=qc, k=kc, w=w, u0=u0, g=g, carry=carry[..., None], intra=intra,
+        a = bc * pair_scores(kc, kc, g, strict, precision)
+        inverse = unit_lower_inverse(jnp.eye(C, dtype=f32) + a)
+        # The inverse multiplies fp32 intermediates: always IEEE fp32.
+        w = _einsum("...ts,...sk->...tk", inverse, bc * carry[..., None] * decay_from_start * kc)
+        u0 = _einsum("...ts,...sv->...tv", inverse, bc * vc)
+    return dict(q=qc, k=kc, w=w, u0=u0, g=g, carry=carry[..., None], intra=intra, precision=precision,
                 q_from_start=carry[..., None] * decay_from_start * qc, k_end=k_end, gamma_end=gamma_end)
 
 
 def chunk_state_map(factors):
     """The affine map of every chunk, S_end = M S_0 + E: M [B, Hv, N, K, K], E [B, Hv, N, K, V]."""
     k_end, w, u0, gamma_end = factors["k_end"], factors["w"], factors["u0"], factors["gamma_end"]
+    precision = factors["precision"]
     K = k_end.shape[-1]
     m = jnp.eye(K, dtype=jnp.float32) * gamma_end[..., None, :]  # Diag(gamma_end); a scalar broadcasts
     if w is not None:
-        m = m - _einsum("...ck,...cj->...kj", k_end, w)
-    e = _einsum("...ck,...cv->...kv", k_end, u0)
+        m = m - _einsum("...ck,...cj->...kj", k_end, w, precision=precision)
+    e = _einsum("...ck,...cv->...kv", k_end, u0, precision=precision)
     return m, e
 
 
-def compose_state_maps(first, second):
+def compose_state_maps(first, second, precision=HIGHEST):
     """(M2, E2) after (M1, E1): S -> M2 (M1 S + E1) + E2. Associative; the operator of `associative_scan`."""
     m1, e1 = first
     m2, e2 = second
-    return _einsum("...ij,...jk->...ik", m2, m1), _einsum("...ij,...jv->...iv", m2, e1) + e2
+    return (_einsum("...ij,...jk->...ik", m2, m1, precision=precision),
+            _einsum("...ij,...jv->...iv", m2, e1, precision=precision) + e2)
 
 
 def _states_sequential(factors, initial_state):
@@ -183,12 +233,13 @@ def _states_sequential(factors, initial_state):
     w, u0, k_end, gamma_end = factors["w"], factors["u0"], factors["k_end"], factors["gamma_end"]
     B, Hv, N, C, V = u0.shape
     K = k_end.shape[-1]
+    precision = factors["precision"]
     state = zero_state(u0, B, Hv, K, V) if initial_state is None else initial_state
 
     def step(S, x):
-        u = x["u0"] if x["w"] is None else x["u0"] - _einsum("bhck,bhkv->bhcv", x["w"], S)
+        u = x["u0"] if x["w"] is None else x["u0"] - _einsum("bhck,bhkv->bhcv", x["w"], S, precision=precision)
         gamma = x["gamma_end"]
-        S_end = gamma[..., :, None] * S + _einsum("bhck,bhcv->bhkv", x["k_end"], u)
+        S_end = gamma[..., :, None] * S + _einsum("bhck,bhcv->bhkv", x["k_end"], u, precision=precision)
         return S_end, S
 
     xs = dict(w=None if w is None else jnp.moveaxis(w, 2, 0), u0=jnp.moveaxis(u0, 2, 0),
@@ -200,11 +251,13 @@ def _states_sequential(factors, initial_state):
 def _states_associative(factors, initial_state):
     """Same as `_states_sequential`, by an associative scan over the chunk maps (log depth)."""
     m, e = chunk_state_map(factors)
-    m_cum, e_cum = jax.lax.associative_scan(compose_state_maps, (m, e), axis=2)
+    precision = factors["precision"]
+    compose = lambda first, second: compose_state_maps(first, second, precision)
+    m_cum, e_cum = jax.lax.associative_scan(compose, (m, e), axis=2)
     if initial_state is None:
         after = e_cum
     else:
-        after = _einsum("bhnij,bhjv->bhniv", m_cum, initial_state) + e_cum
+        after = _einsum("bhnij,bhjv->bhniv", m_cum, initial_state, precision=precision) + e_cum
     B, Hv, N, K, V = e.shape
     first = (zero_state(e, B, Hv, K, V)[:, :, None] if initial_state is None else initial_state[:, :, None])
     starts = jnp.concatenate([first, after[:, :, :-1]], axis=2)
@@ -213,10 +266,13 @@ def _states_associative(factors, initial_state):
 
 def chunk_outputs(factors, starts, scale):
     """O for every chunk given its start state: [B, Hv, N, C, V] float32."""
-    u = factors["u0"] if factors["w"] is None else factors["u0"] - _einsum("bhnck,bhnkv->bhncv", factors["w"], starts)
-    inter = _einsum("bhnck,bhnkv->bhncv", factors["q_from_start"], starts)
-    scores = pair_scores(factors["q"], factors["k"], factors["g"], factors["intra"])
-    intra = _einsum("bhnts,bhnsv->bhntv", scores, u)
+    precision = factors["precision"]
+    u = factors["u0"]
+    if factors["w"] is not None:
+        u = u - _einsum("bhnck,bhnkv->bhncv", factors["w"], starts, precision=precision)
+    inter = _einsum("bhnck,bhnkv->bhncv", factors["q_from_start"], starts, precision=precision)
+    scores = pair_scores(factors["q"], factors["k"], factors["g"], factors["intra"], precision)
+    intra = _einsum("bhnts,bhnsv->bhntv", scores, u, precision=precision)
     return scale * (inter + intra)
 
 

@@ -1,0 +1,74 @@
+"""Mosaic TPU kernels for the chunkwise WY form, registered with the rules' dispatch as "pallas_tpu".
+
+`supports` is fail-closed: it accepts a call only on the TPU backend (or on CPU inside `interpret()`), for the
+delta rule and linear attention with no decay or one log-decay per token and value head, float32/bfloat16
+inputs, a chunk size in `CHUNK_SIZES`, head dims up to `MAX_HEAD_DIM` and a VMEM need within budget. Per-channel
+decays (KDA) go elsewhere.
+
+On a machine without a TPU, `interpret()` runs the same kernels in Pallas's TPU interpreter and lets the dispatch
+pick them on the CPU backend::
+
+    with deltajax.kernels.tpu.interpret():
+        o, state = deltajax.delta_rule(q, k, v, beta, impl="pallas_tpu")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+from jax.experimental.pallas import tpu as pltpu
+
+from deltajax.kernels.tpu import chunk
+from deltajax.kernels.tpu.chunk import CHUNK_SIZES, MAX_HEAD_DIM
+from deltajax.rules import dispatch
+
+NAME = "pallas_tpu"
+PRIORITY = 10
+DTYPES = ("float32", "bfloat16")
+
+_interpreting = contextvars.ContextVar("deltajax_tpu_interpreting", default=False)
+
+
+@contextlib.contextmanager
+def interpret(params: pltpu.InterpretParams | None = None):
+    """Runs every Pallas TPU kernel traced inside in the TPU interpreter, and lets `supports` accept "cpu".
+
+    `params` defaults to `pltpu.InterpretParams()` (NaN-filled uninitialised memory, out-of-bounds reads raise);
+    pass `detect_races=True` etc. to check more. Leaving the context restores dispatch to real TPUs only.
+    """
+    token = _interpreting.set(True)
+    try:
+        with pltpu.force_tpu_interpret_mode(params if params is not None else pltpu.InterpretParams()):
+            yield
+    finally:
+        _interpreting.reset(token)
+
+
+def interpreting() -> bool:
+    return _interpreting.get()
+
+
+def supports(call: dispatch.RuleCall) -> bool:
+    platform_ok = call.platform == "tpu" or (call.platform == "cpu" and interpreting())
+    if not platform_ok or call.op not in dispatch.OPS:
+        return False
+    if call.decay not in ("none", "scalar") or call.dtype not in DTYPES:
+        return False
+    if call.chunk_size not in CHUNK_SIZES:
+        return False
+    if not (1 <= call.key_dim <= MAX_HEAD_DIM and 1 <= call.value_dim <= MAX_HEAD_DIM):
+        return False
+    if call.key_heads < 1 or call.value_heads % call.key_heads or call.batch < 1 or call.seq_len < 1:
+        return False
+    cfg = chunk.Config(delta=call.op == "delta_rule", gated=call.decay == "scalar", packed=call.has_segment_ids,
+                       has_initial_state=call.has_initial_state, scale=1.0, chunk_size=call.chunk_size,
+                       group=call.value_heads // call.key_heads, value_heads=call.value_heads,
+                       key_dim=call.key_dim, value_dim=call.value_dim)
+    return chunk.fits_vmem(cfg, 2 if call.dtype == "bfloat16" else 4)
+
+
+for _op in dispatch.OPS:
+    dispatch.register(_op, NAME, chunk.chunked, supports=supports, priority=PRIORITY)
+
+__all__ = ["CHUNK_SIZES", "MAX_HEAD_DIM", "NAME", "interpret", "interpreting", "supports"]

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call: install the repo, run the GPU tests of the Pallas kernels, time them.
+#   MODE=all (default) or a comma list of sweep, tests, bench, memory;  logs go to $OUT (or ./gpu_logs).
+set -u -o pipefail
+OUT=${OUT:-gpu_logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+MODE=${MODE:-all}
+SWEEP_VARIANTS=${SWEEP_VARIANTS:-default}
+SWEEP_SIZES=${SWEEP_SIZES:-8x2048x16x128}
+BENCH_SIZES=${BENCH_SIZES:-8x2048x16x128,2x8192x16x128,1x32768x16x128}
+BENCH_IMPLS=${BENCH_IMPLS:-chunk,chunk_assoc,pallas}
+want() { [[ $MODE == all || ",$MODE," == *",$1,"* ]]; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+  || { echo "editable install failed, see install.log"; tail -5 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/device.txt"
+python3 -c "import jax, deltajax; print(jax.__version__, jax.devices(), sorted(deltajax.rules.dispatch.implementations('delta_rule')))" | tee -a "$OUT/device.txt"
+if want sweep; then
+  timeout ${SWEEP_TIMEOUT:-200} python3 experiments/bench_pallas_gpu.py --sizes="$SWEEP_SIZES" --variants="$SWEEP_VARIANTS" 2>&1 \
+    | grep -v Warning | tee "$OUT/sweep.log"
+fi
+if want tests; then
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_wy_chunk.py -k "${TESTS:-gpu_bf16 or gpu_fp32 or gpu_adversarial or gpu_dispatch}" \
+    -rA --tb=short ${PYTEST_EXTRA:-} 2>&1 | tee "$OUT/pytest.log" | grep -E "PASS|FAIL|Error|error|assert|passed|failed"
+fi
+if want bench; then
+  timeout ${BENCH_TIMEOUT:-240} python3 experiments/bench_rules.py --rule=gated_deltanet --impls="$BENCH_IMPLS" \
+    --sizes="$BENCH_SIZES" ${BENCH_EXTRA:-} 2>&1 | grep -v Warning | tee "$OUT/bench.log"
+fi
+if want memory; then
+  timeout ${MEMORY_TIMEOUT:-200} python3 experiments/bench_rules.py --rule=gated_deltanet --impls=pallas \
+    --sizes=1x65536x16x128 --peak_memory --warmup=1 --iters=3 2>&1 | grep -v Warning | tee "$OUT/memory.log"
+fi

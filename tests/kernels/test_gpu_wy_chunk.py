@@ -1,0 +1,274 @@
+"""The Pallas Triton WY kernels against the fp32 token-by-token scan.
+
+On CPU: the kernels in Pallas's interpreter at float32 (outputs/state <= 1e-5, gradients <= 1e-4 relative), and
+every supported configuration lowered for CUDA with an abstract H100 (catches what interprets but cannot compile).
+On a GPU: the same comparisons compiled, bf16 against the scan on the same bf16-rounded inputs, and through the
+dispatch (`impl="pallas"` and "auto").
+"""
+
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+import deltajax
+from deltajax.kernels import gpu as pallas_gpu
+from deltajax.kernels.gpu.wy_chunk import chunk_wy
+from deltajax.rules import dispatch, step_size
+from deltajax.rules.scan import recurrent_scan
+from testing_utils import fresh_key, relative_error, rule_inputs
+
+warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
+
+ON_GPU = jax.default_backend() == "gpu"
+FP32_OUT_TOL, FP32_GRAD_TOL = 1e-5, 1e-4
+BF16_OUT_TOL, BF16_GRAD_TOL, BF16_GATE_GRAD_TOL = 3e-3, 6e-3, 1e-2
+ARG_NAMES = ("q", "k", "v", "beta", "log_decay", "initial_state")
+
+
+def _call(fn, x, op, **kwargs):
+    beta = x["beta"] if op == "delta_rule" else None
+    return fn(x["q"], x["k"], x["v"], beta, x["log_decay"], scale=x.get("scale", 0.3),
+              initial_state=x["initial_state"], segment_ids=x["segment_ids"], **kwargs)
+
+
+def _kernel(**kwargs):
+    return lambda *a, **kw: chunk_wy(*a, **kw, interpret=not ON_GPU, **kwargs)
+
+
+def _weights(shape, seed):
+    """A fixed, non-constant cotangent (so every output element matters)."""
+    return jnp.cos(0.37 * jnp.arange(int(jnp.prod(jnp.array(shape))), dtype=jnp.float32) + seed).reshape(shape)
+
+
+def _grads(fn, x, op):
+    """Gradients of <o, W_o> + <final_state, W_s> w.r.t. every differentiable input present."""
+    names = [n for n in ARG_NAMES if x[n] is not None and not (n == "beta" and op != "delta_rule")]
+
+    def loss(*args):
+        o, s = _call(fn, dict(x, **dict(zip(names, args))), op)
+        return jnp.sum(o.astype(jnp.float32) * _weights(o.shape, 1.0)) + jnp.sum(s * _weights(s.shape, 2.0))
+
+    return dict(zip(names, jax.grad(loss, argnums=tuple(range(len(names))))(*[x[n] for n in names])))
+
+
+def _check(x, op, out_tol, grad_tols, fn=None, reference=recurrent_scan):
+    fn = fn or _kernel()
+    ref_inputs = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
+    o, s = _call(fn, x, op)
+    o_ref, s_ref = _call(reference, ref_inputs, op)
+    assert o.dtype == x["v"].dtype and s.dtype == jnp.float32
+    assert relative_error(o, o_ref) <= out_tol, relative_error(o, o_ref)
+    assert relative_error(s, s_ref) <= out_tol, relative_error(s, s_ref)
+    if grad_tols is None:
+        return
+    grads, grads_ref = _grads(fn, x, op), _grads(reference, ref_inputs, op)
+    for name, g in grads.items():
+        assert g.shape == x[name].shape
+        err = relative_error(g, grads_ref[name])
+        assert err <= grad_tols(name), (name, err)
+
+
+def _fp32_grad_tol(name):
+    return FP32_GRAD_TOL
+
+
+# op, T, decay, packed, initial state, (H, Hv), (K, V): awkward lengths, packing, GVA, beta up to 2.
+CPU_CASES = [
+    ("delta_rule", 1, "scalar", False, True, (2, 2), (16, 16)),
+    ("delta_rule", 63, "none", True, False, (1, 2), (16, 32)),
+    ("delta_rule", 65, "scalar", False, True, (2, 4), (32, 16)),
+    ("delta_rule", 1000, "scalar", True, True, (1, 1), (16, 16)),
+    ("linear_attention", 65, "scalar", True, True, (1, 2), (16, 16)),
+    ("linear_attention", 1000, "none", False, False, (1, 1), (16, 16)),
+]
+
+
+@pytest.mark.parametrize("op,T,decay,packed,init,heads,dims", CPU_CASES,
+                         ids=[f"{c[0]}-T{c[1]}-{c[2]}-{'packed' if c[3] else 'dense'}-{'init' if c[4] else 'zero'}"
+                              f"-H{c[5][0]}Hv{c[5][1]}" for c in CPU_CASES])
+def test_matches_scan_fp32(op, T, decay, packed, init, heads, dims):
+    x = rule_inputs(fresh_key(), B=2, T=T, H=heads[0], Hv=heads[1], K=dims[0], V=dims[1], decay=decay,
+                    beta_max=2.0, packed=packed, with_initial_state=init)
+    _check(x, op, FP32_OUT_TOL, _fp32_grad_tol)
+
+
+def _adversarial(key, family, dtype=jnp.float32, B=1, T=130, H=1, Hv=2, K=16, V=16):
+    """beta -> 2 (negative eigenvalues) with strongly correlated keys and decay near 0, or with decays down to -20."""
+    x = rule_inputs(key, B=B, T=T, H=H, Hv=Hv, K=K, V=V, beta_max=2.0, packed=True, with_initial_state=True,
+                    dtype=dtype)
+    ks = jax.random.split(jax.random.fold_in(key, 7), 3)
+    x["beta"] = jax.random.uniform(ks[2], x["beta"].shape, minval=1.9, maxval=1.999)
+    if family == "correlated_keys_decay_near_0":
+        base = jax.random.normal(ks[0], (1, 1, H, K))
+        k = base + 0.02 * jax.random.normal(ks[1], x["k"].shape)
+        x["k"] = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(dtype)
+        x["log_decay"] = -1e-6 * jax.random.uniform(ks[0], x["log_decay"].shape)
+    elif family == "decay_down_to_-20":
+        x["log_decay"] = -20.0 * jax.random.uniform(ks[0], x["log_decay"].shape)
+    return x
+
+
+ADVERSARIAL = ("correlated_keys_decay_near_0", "decay_down_to_-20")
+
+
+@pytest.mark.parametrize("family", ADVERSARIAL)
+def test_adversarial_fp32(family):
+    _check(_adversarial(fresh_key(), family), "delta_rule", FP32_OUT_TOL, _fp32_grad_tol)
+
+
+def test_bf16_default_config_in_interpreter():
+    """The 16-bit path (TF32 forward, bf16 backward dots) at the bf16 bounds, on the same rounded inputs."""
+    x = rule_inputs(fresh_key(), B=1, T=130, H=1, Hv=2, K=32, V=32, beta_max=2.0, packed=True,
+                    with_initial_state=True)
+    x["scale"] = 32 ** -0.5
+    _check(_round_trip_bf16(x), "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)
+
+
+@pytest.mark.parametrize("rule", ["kaczmarz", "efla"])
+def test_step_size_rules_on_raw_keys(rule):
+    """Un-normalised keys through the normalised-key reduction, against the raw-key scan."""
+    key = fresh_key()
+    x = rule_inputs(key, B=1, T=100, H=1, Hv=2, K=16, V=16, normalise_keys=False, packed=True,
+                    with_initial_state=True)
+    x["k"] = x["k"] * jax.random.uniform(jax.random.fold_in(key, 1), x["k"].shape[:3] + (1,), minval=0.1,
+                                         maxval=3.0)
+    param = None if rule == "kaczmarz" else jax.random.uniform(jax.random.fold_in(key, 2), x["beta"].shape,
+                                                               minval=0.1, maxval=3.0)
+    k_hat, v_hat, beta_hat = step_size.normalise_keys(rule, x["k"], x["v"], param)
+    o, s = chunk_wy(x["q"], k_hat, v_hat, beta_hat, x["log_decay"], scale=0.25, initial_state=x["initial_state"],
+                    segment_ids=x["segment_ids"], interpret=not ON_GPU)
+    o_ref, s_ref = step_size.delta_rule_with_step_size(
+        rule, x["q"], x["k"], x["v"], param, x["log_decay"], scale=0.25, initial_state=x["initial_state"],
+        segment_ids=x["segment_ids"], impl="scan")
+    assert relative_error(o, o_ref) <= FP32_OUT_TOL
+    assert relative_error(s, s_ref) <= FP32_OUT_TOL
+
+
+def test_supports_fails_closed():
+    call = dispatch.RuleCall(op="delta_rule", batch=2, seq_len=100, key_heads=2, value_heads=4, key_dim=128,
+                             value_dim=128, dtype="bfloat16", decay="scalar", has_initial_state=True,
+                             has_segment_ids=True, chunk_size=64, platform="gpu")
+    assert pallas_gpu.supports(call)
+    assert pallas_gpu.supports(call._replace(op="linear_attention", decay="none", has_segment_ids=False))
+    for change in (dict(platform="cpu"), dict(platform="tpu"), dict(decay="channel"), dict(key_dim=96),
+                   dict(value_dim=32), dict(dtype="float64"), dict(dtype="float32"), dict(dtype="float16"), dict(chunk_size=32), dict(value_heads=3),
+                   dict(batch=1 << 14)):
+        assert not pallas_gpu.supports(call._replace(**change)), change
+    assert dispatch.implementations("delta_rule")["pallas"].fn is chunk_wy
+    assert dispatch.implementations("linear_attention")["pallas"].fn is chunk_wy
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Lowering every supported configuration for CUDA on CPU (abstract H100)
+# ---------------------------------------------------------------------------------------------------------------
+
+H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
+                    abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                                   platform="gpu"))
+
+
+def _lower_for_cuda(op, K, V, dtype, *, T=130, segmented=True, init=True, decay=True):
+    B, H, Hv = 1, 2, 4
+    q = jax.ShapeDtypeStruct((B, T, H, K), dtype)
+    v = jax.ShapeDtypeStruct((B, T, Hv, V), dtype)
+    gate = jax.ShapeDtypeStruct((B, T, Hv), jnp.float32)
+    h0 = jax.ShapeDtypeStruct((B, Hv, K, V), jnp.float32) if init else None
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32) if segmented else None
+
+    def loss(q, k, v, beta, log_decay, h0, ids):
+        o, s = chunk_wy(q, k, v, beta if op == "delta_rule" else None, log_decay if decay else None, scale=0.1,
+                        initial_state=h0, segment_ids=ids, interpret=False)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    argnums = (0, 1, 2, 3, 4) + ((5,) if init else ())
+    fn = jax.jit(jax.value_and_grad(loss, argnums=argnums))
+    with jax.sharding.use_abstract_mesh(H100):
+        text = fn.trace(q, q, v, gate, gate, h0, ids).lower(lowering_platforms=("cuda",)).as_text()
+    return text.count("__gpu$xla.gpu.triton")
+
+
+@pytest.mark.parametrize("op", dispatch.OPS)
+def test_lowers_for_cuda_every_supported_config(op):
+    kernels = 4 if op == "delta_rule" else 3  # (prepare,) forward pass, reverse pass, gradients
+    for K, V, dtype in itertools.product(pallas_gpu.HEAD_DIMS, pallas_gpu.HEAD_DIMS, pallas_gpu.LOWERED_DTYPES):
+        assert _lower_for_cuda(op, K, V, jnp.dtype(dtype)) == kernels, (K, V, dtype)
+    for segmented, init, decay in itertools.product((False, True), repeat=3):
+        assert _lower_for_cuda(op, 128, 128, jnp.bfloat16, T=64, segmented=segmented, init=init,
+                               decay=decay) == kernels
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU only: compiled kernels, bf16 tolerances, through the dispatch
+# ---------------------------------------------------------------------------------------------------------------
+
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+
+
+def _bf16_grad_tol(name):
+    return BF16_GATE_GRAD_TOL if name in ("beta", "log_decay") else BF16_GRAD_TOL
+
+
+def _round_trip_bf16(x):
+    """bf16 q/k/v; the fp32 reference sees the same rounded values."""
+    return dict(x, **{n: x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")})
+
+
+GPU_CASES = [
+    ("delta_rule", 1000, "scalar", True, True, (2, 4), (128, 128)),
+    ("delta_rule", 1, "scalar", False, True, (2, 2), (128, 128)),
+    ("delta_rule", 300, "none", False, False, (2, 2), (64, 256)),
+    ("delta_rule", 257, "scalar", True, True, (1, 2), (256, 64)),
+    ("linear_attention", 1000, "scalar", True, True, (2, 4), (128, 128)),
+    ("linear_attention", 129, "none", False, False, (1, 1), (256, 256)),
+]
+
+
+@gpu_only
+@pytest.mark.parametrize("op,T,decay,packed,init,heads,dims", GPU_CASES)
+def test_gpu_bf16_matches_scan(op, T, decay, packed, init, heads, dims):
+    x = rule_inputs(fresh_key(), B=2, T=T, H=heads[0], Hv=heads[1], K=dims[0], V=dims[1], decay=decay,
+                    beta_max=2.0, packed=packed, with_initial_state=init)
+    x["scale"] = dims[0] ** -0.5
+    _check(_round_trip_bf16(x), op, BF16_OUT_TOL, _bf16_grad_tol)
+
+
+@gpu_only
+@pytest.mark.xfail(reason="float32 inputs missed the 1e-5 bound on the H100 (2026-11-22, not yet diagnosed); "
+                          "supports() declines float32", strict=False)
+@pytest.mark.parametrize("op,T,decay,packed,init,heads,dims", GPU_CASES[:2] + GPU_CASES[4:5])
+def test_gpu_fp32_matches_scan(op, T, decay, packed, init, heads, dims):
+    x = rule_inputs(fresh_key(), B=2, T=T, H=heads[0], Hv=heads[1], K=dims[0], V=dims[1], decay=decay,
+                    beta_max=2.0, packed=packed, with_initial_state=init)
+    x["scale"] = dims[0] ** -0.5
+    _check(x, op, FP32_OUT_TOL, _fp32_grad_tol)
+
+
+@gpu_only
+@pytest.mark.parametrize("family", ADVERSARIAL)
+def test_gpu_adversarial_bf16(family):
+    x = _round_trip_bf16(_adversarial(fresh_key(), family, B=2, T=500, H=2, Hv=4, K=128, V=128))
+    x["scale"] = 128 ** -0.5
+    _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)
+
+
+@gpu_only
+def test_gpu_dispatch_picks_pallas():
+    x = _round_trip_bf16(rule_inputs(fresh_key(), B=1, T=200, H=2, Hv=4, K=128, V=128, beta_max=2.0,
+                                     packed=True, with_initial_state=True))
+    call = dispatch.describe_call("delta_rule", x["q"], x["k"], x["v"], x["log_decay"], x["initial_state"],
+                                  x["segment_ids"], 64)
+    assert dispatch.select("delta_rule", "auto", call).name == "pallas"
+    args = (x["q"], x["k"], x["v"], x["beta"], x["log_decay"])
+    kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"])
+    o, s = deltajax.delta_rule(*args, impl="pallas", **kw)
+    o_ref, s_ref = deltajax.delta_rule(*(a.astype(jnp.float32) for a in args), impl="scan", **kw)
+    assert relative_error(o, o_ref) <= BF16_OUT_TOL and relative_error(s, s_ref) <= BF16_OUT_TOL
+    x["k"] = x["k"] * 2.0
+    o, _ = deltajax.kaczmarz(x["q"], x["k"], x["v"], x["log_decay"], impl="pallas", **kw)
+    o_ref, _ = deltajax.kaczmarz(*(x[n].astype(jnp.float32) for n in ("q", "k", "v")), x["log_decay"], impl="scan",
+                                 **kw)
+    assert relative_error(o, o_ref) <= BF16_OUT_TOL

@@ -4,23 +4,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+is_recent() { "$@" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; }
+
 find_python() {
-  local candidate
-  for candidate in "${PYTHON:-}" python3.12 python3.13 python3; do
-    [ -n "$candidate" ] || continue
-    if command -v "$candidate" >/dev/null 2>&1 &&
-       "$candidate" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
-      echo "$candidate"; return 0
-    fi
-  done
+  # Prefer 3.12 (the GPU machine's version), then any newer Python.
+  if [ -n "${PYTHON:-}" ] && is_recent "$PYTHON"; then echo "$PYTHON"; return 0; fi
+  if is_recent python3.12; then echo python3.12; return 0; fi
   # pyenv installs a 3.12 that is only reachable with PYENV_VERSION set.
   if command -v pyenv >/dev/null 2>&1; then
     local version
-    version=$(pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[2-9])' | sort -V | tail -n 1 || true)
-    if [ -n "$version" ]; then
-      echo "env PYENV_VERSION=$version python${version%.*}"; return 0
+    version=$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | sort -V | tail -n 1 || true)
+    if [ -n "$version" ] && is_recent env PYENV_VERSION="$version" python3.12; then
+      echo "env PYENV_VERSION=$version python3.12"; return 0
     fi
   fi
+  local candidate
+  for candidate in python3.13 python3.14 python3; do
+    if is_recent "$candidate"; then echo "$candidate"; return 0; fi
+  done
   return 1
 }
 

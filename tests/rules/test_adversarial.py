@@ -82,3 +82,26 @@ def test_zero_key_takes_no_step():
             o, s = rules.delta_rule_with_step_size(rule, x["q"], k, x["v"], param, eps=1e-3, impl=impl,
                                                    initial_state=x["initial_state"])
             assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(s)))
+
+
+@pytest.mark.parametrize("method", ("solve", "blocked"))
+@pytest.mark.parametrize("keys", ("random", "correlated", "identical"))
+def test_unit_lower_inverse_is_exact(method, keys):
+    """(I + A)^-1 against a float64 inverse, for the WY matrix of unit keys with beta near 1."""
+    import numpy as np
+
+    from deltajax.rules.chunk import unit_lower_inverse
+
+    key = fresh_key()
+    C, K = 64, 32
+    k = jax.random.normal(key, (3, C, K))
+    if keys == "correlated":
+        k = k[:, :1] + 0.01 * k
+    elif keys == "identical":
+        k = jnp.broadcast_to(k[:, :1], k.shape)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    beta = 0.99 + 0.01 * jax.random.uniform(jax.random.fold_in(key, 1), (3, C, 1))
+    lower = jnp.eye(C) + jnp.tril(beta * (k @ jnp.swapaxes(k, -1, -2)), -1)
+    expected = np.linalg.inv(np.asarray(lower, np.float64))
+    got = unit_lower_inverse(lower, method)
+    assert np.max(np.abs(np.asarray(got, np.float64) - expected)) <= 1e-5 * max(1.0, np.abs(expected).max())

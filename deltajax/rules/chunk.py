@@ -23,6 +23,8 @@ affine chunk maps S_end = M S_0 + E (`lax.associative_scan`), which is what sequ
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -99,17 +101,48 @@ def _pad_time(x, pad, mode="constant"):
     return jnp.pad(x, widths, mode=mode)
 
 
+class CumulativeLogDecay(NamedTuple):
+    """In-chunk G_t = sum_{r <= t} log_decay_r as hi + lo: hi is the fp32 cumsum, lo what its rounding lost.
+
+    A plain fp32 cumsum rounds each small gate added after a large one (-1e-4 after -20 loses ~2% of itself), and
+    differences G_t - G_s of pairs that should decay by ~1 inherit that error. With the split, differences are
+    taken part by part, (hi_t - hi_s) + (lo_t - lo_s), and stay accurate to fp32.
+    """
+
+    hi: jax.Array
+    lo: jax.Array
+
+    @classmethod
+    def of(cls, log_decay, axis):
+        hi = jnp.cumsum(log_decay, axis=axis)
+        before = jnp.concatenate([jnp.zeros_like(jax.lax.slice_in_dim(hi, 0, 1, axis=axis)),
+                                  jax.lax.slice_in_dim(hi, 0, hi.shape[axis] - 1, axis=axis)], axis=axis)
+        # hi_r - hi_{r-1} and log_decay_r - that are exact (Sterbenz) whenever the step is small against hi,
+        # so each term is the exact rounding error of step r.
+        return cls(hi, jnp.cumsum(log_decay - (hi - before), axis=axis))
+
+    def map(self, fn):
+        return CumulativeLogDecay(fn(self.hi), fn(self.lo))
+
+    def minus(self, other):
+        """G_self - G_other, part by part (arguments broadcast)."""
+        return (self.hi - other.hi) + (self.lo - other.lo)
+
+    def total(self):
+        return self.hi + self.lo
+
+
 def pair_scores(a, b, cum_log_decay, mask, precision=HIGHEST):
     """sum_c a_tc b_sc exp(G_tc - G_sc) where `mask` (s <= t and same document), else 0.
 
-    a, b: [..., C, K]; cum_log_decay: None, [..., C] or [..., C, K] (non-increasing along C); mask: bool
+    a, b: [..., C, K]; cum_log_decay: None or a `CumulativeLogDecay` of [..., C] or [..., C, K]; mask: bool
     broadcastable to [..., C, C] and never true above the diagonal.
     """
     scores = _einsum("...tk,...sk->...ts", a, b, precision=precision)
     if cum_log_decay is None:
         return jnp.where(mask, scores, 0.0)
-    if cum_log_decay.ndim == a.ndim - 1:
-        diff = cum_log_decay[..., :, None] - cum_log_decay[..., None, :]
+    if cum_log_decay.hi.ndim == a.ndim - 1:
+        diff = cum_log_decay.map(lambda x: x[..., :, None]).minus(cum_log_decay.map(lambda x: x[..., None, :]))
         return scores * jnp.exp(jnp.where(mask, diff, -jnp.inf))
     return jnp.where(mask, _pair_scores_channel(a, b, cum_log_decay, precision), 0.0)
 
@@ -121,20 +154,20 @@ def _pair_scores_channel(a, b, G, precision):
     n = C // s
     a_ = a.reshape(*lead, n, s, K)
     b_ = b.reshape(*lead, n, s, K)
-    G_ = G.reshape(*lead, n, s, K)
+    G_ = G.map(lambda x: x.reshape(*lead, n, s, K))
     # Diagonal sub-chunks: the exact pairwise exponent, masked to s <= t before exp.
     lower = jnp.tril(jnp.ones((s, s), bool))[:, :, None]
-    diff = G_[..., :, :, None, :] - G_[..., :, None, :, :]
+    diff = G_.map(lambda x: x[..., :, :, None, :]).minus(G_.map(lambda x: x[..., :, None, :, :]))
     diag = jnp.sum(a_[..., :, :, None, :] * b_[..., :, None, :, :] * jnp.exp(jnp.where(lower, diff, -jnp.inf)),
                    axis=-1)
     if n == 1:
         return diag.reshape(*lead, C, C)
     # Sub-chunk i > j: split exp(G_t - G_s) at the last gate of sub-chunk j, G_ref, so both factors are <= 1.
-    ref = G_[..., :, -1, :]  # [..., n, K]
+    ref = G_.map(lambda x: x[..., :, -1, :])  # [..., n, K]
     later = (jnp.arange(n)[:, None] > jnp.arange(n)[None, :])[:, :, None, None]
-    left = a_[..., :, None, :, :] * jnp.exp(
-        jnp.where(later, G_[..., :, None, :, :] - ref[..., None, :, None, :], -jnp.inf))  # [..., i, j, t, K]
-    right = b_ * jnp.exp(ref[..., :, None, :] - G_)  # [..., j, s, K]
+    to_ref = G_.map(lambda x: x[..., :, None, :, :]).minus(ref.map(lambda x: x[..., None, :, None, :]))
+    left = a_[..., :, None, :, :] * jnp.exp(jnp.where(later, to_ref, -jnp.inf))  # [..., i, j, t, K]
+    right = b_ * jnp.exp(ref.map(lambda x: x[..., :, None, :]).minus(G_))  # [..., j, s, K]
     off = _einsum("...ijtk,...jsk->...ijts", left, right, precision=precision)
     eye = jnp.eye(n, dtype=bool)[:, :, None, None]
     blocks = jnp.where(eye, diag[..., :, None, :, :], off)  # off is already 0 for i < j
@@ -142,18 +175,16 @@ def _pair_scores_channel(a, b, G, precision):
     return blocks.reshape(*lead, C, C)
 
 
-def _decay_to(cum_log_decay, like):
-    """exp(G) shaped to multiply rows of `like` ([..., C, K])."""
-    if cum_log_decay is None:
-        return jnp.ones(like.shape[:-1] + (1,), like.dtype)
-    e = jnp.exp(cum_log_decay)
+def _decay_to(log_decay_sum, like):
+    """exp(log_decay_sum) shaped to multiply rows of `like` ([..., C, K])."""
+    e = jnp.exp(log_decay_sum)
     return e[..., None] if e.ndim == like.ndim - 1 else e
 
 
 def chunk_factors(q, k, v, beta, log_decay, *, segment_ids, chunk_size):
     """Everything chunk-local: returns a dict of [B, Hv, N, C, ...] float32 arrays and masks.
 
-    Keys: q, k (heads repeated to Hv), w (None for linear attention), u0, g (cumulative log-decay or None),
+    Keys: q, k (heads repeated to Hv), w (None for linear attention), u0, g (`CumulativeLogDecay` or None),
     carry [B,1,N,C,1], intra mask [B,1,N,C,C] (s <= t, same document), k_end, gamma_end ([..., 1] or [..., K]).
     """
     B, T, _, K = q.shape
@@ -173,7 +204,7 @@ def chunk_factors(q, k, v, beta, log_decay, *, segment_ids, chunk_size):
     doc = _pad_time(document_index(segment_ids, B, T), pad, mode="edge")
 
     qc, kc, vc = (_to_chunks(x, N, C) for x in (q, k, v))
-    g = None if log_decay is None else jnp.cumsum(_to_chunks(log_decay, N, C), axis=3)
+    g = None if log_decay is None else CumulativeLogDecay.of(_to_chunks(log_decay, N, C), axis=3)
     doc = doc.reshape(B, 1, N, C)
     doc_before = jnp.concatenate([doc[:, :, :1, :1], doc[:, :, :-1, -1:]], axis=2)  # last doc of previous chunk
     carry = doc == doc_before  # [B, 1, N, C]
@@ -182,14 +213,14 @@ def chunk_factors(q, k, v, beta, log_decay, *, segment_ids, chunk_size):
     causal = jnp.tril(jnp.ones((C, C), bool))
     intra = same_doc & causal
 
-    decay_from_start = _decay_to(g, kc)  # exp(G_t)
     if g is None:
-        decay_to_end = jnp.ones_like(decay_from_start)
+        decay_from_start = decay_to_end = jnp.ones(kc.shape[:-1] + (1,), f32)
         gamma_end = jnp.ones(kc.shape[:3] + (1,), f32)
     else:
-        g_last = g[:, :, :, -1]
-        decay_to_end = _decay_to(g_last[:, :, :, None] - g, kc)  # exp(G_C - G_s) <= 1
-        gamma_end = jnp.exp(g_last)
+        decay_from_start = _decay_to(g.total(), kc)  # exp(G_t)
+        g_last = g.map(lambda x: x[:, :, :, -1:])
+        decay_to_end = _decay_to(g_last.minus(g), kc)  # exp(G_C - G_s) <= 1
+        gamma_end = jnp.exp(g_last.total()[:, :, :, 0])
         gamma_end = gamma_end[..., None] if gamma_end.ndim == 3 else gamma_end
     gamma_end = gamma_end * carry[..., -1:]  # the state survives the chunk only if no document starts in it
     k_end = tail[..., None] * decay_to_end * kc

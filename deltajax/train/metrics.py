@@ -98,14 +98,13 @@ def _clock(seconds: float) -> str:
 
 def plot_curves(records: list[dict], path: str, title: str = ""):
     """Train loss (raw and smoothed) and the evaluation losses at every length, against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure draws off-screen without switching the process's backend (inline plots keep working).
+    from matplotlib.figure import Figure
 
     train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.subplots()
     if train:
         steps, losses = zip(*train)
         ax.plot(steps, losses, color="tab:blue", alpha=0.3, lw=1)
@@ -125,4 +124,3 @@ def plot_curves(records: list[dict], path: str, title: str = ""):
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

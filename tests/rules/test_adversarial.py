@@ -105,3 +105,13 @@ def test_unit_lower_inverse_is_exact(method, keys):
     expected = np.linalg.inv(np.asarray(lower, np.float64))
     got = unit_lower_inverse(lower, method)
     assert np.max(np.abs(np.asarray(got, np.float64) - expected)) <= 1e-5 * max(1.0, np.abs(expected).max())
+
+
+@pytest.mark.parametrize("decay", ("scalar", "channel"))
+def test_mixed_huge_and_tiny_gates(decay):
+    """A fifth of the gates at -20, the rest at -1e-4: small gates after large ones must not be rounded away."""
+    key = fresh_key()
+    x = rule_inputs(key, T=200, decay=decay, with_initial_state=True)
+    huge = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.2, x["log_decay"].shape)
+    x["log_decay"] = jnp.where(huge, -20.0, -1e-4)
+    _compare(x)

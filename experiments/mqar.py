@@ -1,0 +1,151 @@
+"""Multi-query associative recall (Zoology; Arora et al. 2023): recall accuracy against model width.
+
+A sequence opens with key-value pairs and then queries the keys again; a model is scored on the value it predicts
+after each queried key. Compared: linear attention, DeltaNet, Gated DeltaNet, KDA and Gated DeltaNet with the
+step-size rules of seed 000 (Kaczmarz, relaxed Kaczmarz, Longhorn, EFLA), each 2 layers at every width.
+
+    # the recorded CPU-sized runs (docs/results.md): vocab 64, sequence 32, 4 pairs, widths 16/64, two seeds
+    python experiments/mqar.py
+    python experiments/mqar.py --seed=1 --out=docs/figures/mqar_seed1.json --plot=
+    python experiments/mqar.py --tabulate=docs/figures/mqar.json,docs/figures/mqar_seed1.json
+    # the Zoology setting (vocab 8192, sequence 512, 64 key-value pairs, widths 64/128/256), a GPU-sized budget
+    python experiments/mqar.py --vocab_size=8192 --seq_len=512 --num_kv_pairs=64 --widths=64,128,256 \
+        --steps=4000 --batch_size=128 --learning_rate=1e-3
+
+Accuracy is measured on held-out sequences (a separate seed stream). Writes a JSON record and a plot.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("variants", ["linear_attention", "deltanet", "gated_deltanet", "kda", "gdn_kaczmarz",
+                               "gdn_relaxed_kaczmarz", "gdn_longhorn", "gdn_efla"],
+                  "Models (see _synthetic.VARIANTS).")
+flags.DEFINE_list("widths", ["16", "64"], "d_model values.")
+flags.DEFINE_integer("n_layers", 2, "Blocks.")
+flags.DEFINE_integer("vocab_size", 64, "Vocabulary: keys from the lower half, values from the upper half.")
+flags.DEFINE_integer("seq_len", 32, "Sequence length.")
+flags.DEFINE_integer("num_kv_pairs", 4, "Key-value pairs per sequence.")
+flags.DEFINE_integer("steps", 400, "Optimiser steps per run.")
+flags.DEFINE_integer("batch_size", 32, "Sequences per step.")
+flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
+flags.DEFINE_integer("eval_batches", 4, "Evaluation batches of --batch_size.")
+flags.DEFINE_string("impl", None, "Rule implementation (default: scan on CPU, auto elsewhere).")
+flags.DEFINE_integer("seed", 0, "Initialisation and data seed.")
+flags.DEFINE_string("out", "docs/figures/mqar.json", "JSON record of the runs.")
+flags.DEFINE_string("plot", "docs/figures/mqar.png", "Accuracy against width ('' for none).")
+flags.DEFINE_list("tabulate", [], "Train nothing: merge the runs of these JSON records (e.g. one per seed), print "
+                  "the table (mean over seeds) and plot.")
+
+
+def mean_accuracy(records):
+    """{(variant, d_model): [test accuracy of every seed]}."""
+    out = {}
+    for r in records:
+        out.setdefault((r["variant"], r["d_model"]), []).append(r["accuracy"]["test"])
+    return out
+
+
+def print_table(records):
+    by_key = mean_accuracy(records)
+    variants = list(dict.fromkeys(r["variant"] for r in records))
+    widths = sorted({r["d_model"] for r in records})
+    seeds = max(len(v) for v in by_key.values())
+    note = f" (mean of {seeds} seeds: each seed)" if seeds > 1 else ""
+    print(f"\n| model | " + " | ".join(f"d={w}{note}" for w in widths) + " |")
+    print("|---|" + "---:|" * len(widths))
+    for variant in variants:
+        cells = []
+        for w in widths:
+            values = by_key.get((variant, w), [])
+            mean = sum(values) / max(len(values), 1)
+            cells.append(f"{mean:.3f}" + (" (" + ", ".join(f"{x:.3f}" for x in values) + ")" if seeds > 1 else ""))
+        print(f"| {variant} | " + " | ".join(cells) + " |")
+
+
+def plot(records, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_key = mean_accuracy(records)
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    widths = sorted({r["d_model"] for r in records})
+    for variant in dict.fromkeys(r["variant"] for r in records):
+        points = [(w, by_key[(variant, w)]) for w in widths if (variant, w) in by_key]
+        line, = ax.plot([w for w, _ in points], [sum(v) / len(v) for _, v in points], "o-", label=variant)
+        for w, values in points:
+            if len(values) > 1:
+                ax.scatter([w] * len(values), values, s=10, color=line.get_color(), alpha=0.4)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(widths, [str(w) for w in widths])
+    ax.set_xlabel("d_model")
+    ax.set_ylabel("recall accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    import _synthetic as common
+    from deltajax.data import MQAR
+
+    if FLAGS.tabulate:
+        import json
+
+        records = [r for path in FLAGS.tabulate for r in json.load(open(path))["runs"]]
+        print_table(records)
+        if FLAGS.plot:
+            plot(records, FLAGS.plot)
+        return
+
+    impl = common.default_impl(FLAGS.impl)
+    header = common.run_header()
+    train_source = MQAR(FLAGS.seq_len, vocab_size=FLAGS.vocab_size, num_kv_pairs=FLAGS.num_kv_pairs,
+                        seed=2 * FLAGS.seed)
+    test_source = MQAR(FLAGS.seq_len, vocab_size=FLAGS.vocab_size, num_kv_pairs=FLAGS.num_kv_pairs,
+                       seed=2 * FLAGS.seed + 1)
+    eval_sets = {"test": common.fixed_batches(test_source, FLAGS.batch_size, FLAGS.eval_batches)}
+    records = []
+    started = time.perf_counter()
+    for width in (int(w) for w in FLAGS.widths):
+        for variant in FLAGS.variants:
+            config = common.model_config(variant, vocab_size=FLAGS.vocab_size, d_model=width,
+                                         n_layers=FLAGS.n_layers, impl=impl, chunk_size=64)
+            print(f"d_model {width} / {variant}: {common.count_parameters(config):,} parameters", flush=True)
+            result = common.train_and_score(config, train_source, eval_sets, steps=FLAGS.steps,
+                                            batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
+                                            seed=FLAGS.seed, log_every=100)
+            result.update(variant=variant, d_model=width)
+            records.append(result)
+            print(f"  accuracy {result['accuracy']['test']:.3f} ({result['train_seconds']:.0f} s)", flush=True)
+
+    print_table(records)
+    total = time.perf_counter() - started
+    print(f"\ntotal {total:.0f} s on {header['device']}")
+    settings = {name: FLAGS[name].value for name in ("variants", "widths", "n_layers", "vocab_size", "seq_len",
+                                                      "num_kv_pairs", "steps", "batch_size", "learning_rate",
+                                                      "eval_batches", "seed")}
+    if FLAGS.out:
+        common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, seconds=total, runs=records))
+    if FLAGS.plot:
+        plot(records, FLAGS.plot)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -120,3 +120,22 @@ def run_header() -> dict:
     device = jax.devices()[0]
     return dict(date=time.strftime("%Y-%m-%d"), device=f"{device.platform} ({device.device_kind})",
                 jax=jax.__version__)
+
+
+def save_figure(fig, path: str):
+    """Lays out, writes (creating the folder) and closes a pyplot figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def load_runs(paths) -> list[dict]:
+    """The "runs" records of several result files (e.g. one per seed), concatenated."""
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records.extend(json.load(f)["runs"])
+    return records

@@ -86,10 +86,9 @@ def plot(records, path):
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    import _synthetic as common
+
+    common.save_figure(fig, path)
 
 
 def main(argv):
@@ -101,9 +100,7 @@ def main(argv):
     from deltajax.train.metrics import read_records
 
     if FLAGS.tabulate:
-        import json
-
-        records = [r for path in FLAGS.tabulate for r in json.load(open(path))["runs"]]
+        records = common.load_runs(FLAGS.tabulate)
         print_table(records)
         if FLAGS.plot:
             plot(records, FLAGS.plot)

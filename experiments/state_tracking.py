@@ -101,10 +101,9 @@ def plot(records, path):
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("scaled accuracy")
     axes[0][0].legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    import _synthetic as common
+
+    common.save_figure(fig, path)
 
 
 def main(argv):

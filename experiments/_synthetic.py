@@ -3,22 +3,38 @@ trainer's optimiser and step on a grain source, and score accuracy on the weight
 
 Accuracy needs argmax predictions, which `deltajax.train.train` does not report (it evaluates loss only), so these
 runs drive `make_train_step` directly instead of calling `train`.
+
+Wall-clock budgets (`--time_budget_s` of the scripts): a run given `time_budget_s` measures its step time after
+compiling and fits the length of its learning-rate schedule (warm-up, then cosine decay) to the steps that fit its
+budget, at most `steps`; the schedule's horizon lives in the optimiser state, so refitting does not recompile. A
+run that still reaches its deadline stops there. Either way it is evaluated and reported (`steps` done,
+`stopped_early`). `RunBudget` splits a script's budget over its runs.
+
+Data workers (`--data_workers`): the synthetic examples are built in Python (0.1-0.6 ms each), slower than a GPU
+trains these models; `start_data_workers(n)` forks n processes (before JAX starts a backend) that build the same
+batches as `deltajax.data.train_iterator` in parallel.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from deltajax.data import train_iterator
 from deltajax.nn import PRESETS, ModelConfig, count_parameters
-from deltajax.train import OptimConfig, init_state, make_optimizer, make_train_step
+from deltajax.data.synthetic import NUM_EXAMPLES
+from deltajax.rules import dispatch
+from deltajax.train import OptimConfig, init_state, make_train_step
 from deltajax.train.parallel import make_mesh
 
 # Model letter and step rule of every named variant.
@@ -46,14 +62,152 @@ def default_impl(impl: str | None) -> str:
 
 
 def model_config(variant: str, *, vocab_size: int, d_model: int, n_layers: int, impl: str,
-                 chunk_size: int = 64) -> ModelConfig:
-    """Two heads of width d_model / 2 (keys and values), float32 compute, SwiGLU x4."""
+                 chunk_size: int = 64, compute_dtype: str = "float32") -> ModelConfig:
+    """Two heads of width d_model / 2 (keys and values), float32 compute by default, SwiGLU x4."""
     letter, step_rule = VARIANTS[variant]
     head = max(d_model // 2, 8)
     return PRESETS["tiny-hybrid"].replace(
         vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, layer_pattern=letter, step_rule=step_rule,
-        n_heads=2, head_dim=head, n_value_heads=2, value_head_dim=head, compute_dtype="float32", impl=impl,
+        n_heads=2, head_dim=head, n_value_heads=2, value_head_dim=head, compute_dtype=compute_dtype, impl=impl,
         chunk_size=chunk_size).validate()
+
+
+def rule_impl(config: ModelConfig, batch: int, seq_len: int) -> str:
+    """The implementation the dispatch picks for the recurrent layers of `config` on this backend (for the record:
+    "pallas" is the GPU kernel, "chunk" the XLA chunked form)."""
+    letter = config.layer_types[0]
+    if config.impl != "auto":
+        return config.impl
+    call = dispatch.RuleCall(
+        op="linear_attention" if letter == "L" else "delta_rule", batch=batch, seq_len=seq_len,
+        key_heads=config.n_heads, value_heads=config.value_heads, key_dim=config.head_dim,
+        value_dim=config.value_dim, dtype=config.compute_dtype,
+        decay={"G": "scalar", "K": "channel"}.get(letter, "none"), has_initial_state=False, has_segment_ids=True,
+        chunk_size=config.chunk_size, platform=jax.default_backend())
+    try:
+        return dispatch.select(call.op, "auto", call).name
+    except Exception as error:  # the record only; training resolves it again at trace time
+        return f"unknown ({error})"
+
+
+class FittedSchedule(NamedTuple):
+    """State of `scale_by_fitted_schedule`: its own step count and the schedule's horizon (total steps)."""
+
+    count: jax.Array  # int32
+    horizon: jax.Array  # float32
+
+
+def fitted_learning_rate(count, horizon, *, peak: float, warmup: int, end: float):
+    """`deltajax.train.learning_rate_schedule` (linear warm-up from 0 over `warmup` steps, then cosine decay to
+    `end` at step `horizon`) with the horizon a traced value."""
+    c = jnp.asarray(count, jnp.float32)
+    warm = peak * c / max(warmup, 1)
+    fraction = jnp.clip((c - warmup) / jnp.maximum(horizon - warmup, 1.0), 0.0, 1.0)
+    cosine = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * fraction))
+    return jnp.where(c < warmup, warm, cosine)
+
+
+def scale_by_fitted_schedule(peak: float, warmup: int, end: float, horizon: int) -> optax.GradientTransformation:
+    def init(params):
+        del params
+        return FittedSchedule(jnp.zeros((), jnp.int32), jnp.asarray(horizon, jnp.float32))
+
+    def update(updates, state, params=None):
+        del params
+        lr = fitted_learning_rate(state.count, state.horizon, peak=peak, warmup=warmup, end=end)
+        updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
+        return updates, FittedSchedule(optax.safe_increment(state.count), state.horizon)
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_fitted_optimizer(config: OptimConfig, total_steps: int):
+    """`deltajax.train.make_optimizer` (global-norm clipping, AdamW with decay on matrices only, warm-up + cosine)
+    whose schedule length can be changed after compiling (`set_horizon`). Returns (optimizer, schedule at the
+    initial horizon)."""
+    warmup = min(config.warmup_steps, max(total_steps - 1, 0))
+    peak, end = config.learning_rate, config.learning_rate * config.min_lr_ratio
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(config.grad_clip) if config.grad_clip > 0 else optax.identity(),
+        optax.scale_by_adam(b1=config.beta1, b2=config.beta2, eps=config.eps),
+        optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
+        scale_by_fitted_schedule(peak, warmup, end, max(total_steps, warmup + 1)))
+    schedule = lambda count: fitted_learning_rate(count, max(total_steps, warmup + 1), peak=peak, warmup=warmup,
+                                                  end=end)
+    return optimizer, schedule
+
+
+def set_horizon(state: dict, horizon: int) -> dict:
+    """The train state with the schedule of `make_fitted_optimizer` ending at step `horizon` (same sharding)."""
+    *rest, fitted = state["opt_state"]
+    value = jax.device_put(jnp.asarray(horizon, jnp.float32), fitted.horizon.sharding)
+    return dict(state, opt_state=(*rest, fitted._replace(horizon=value)))
+
+
+# Data workers: forked once per process, before JAX initialises a backend (fork is unsafe after that).
+_POOL = None
+
+
+def start_data_workers(n: int):
+    """Forks `n` processes that build training batches (`batch_stream`); call before anything touches a device."""
+    global _POOL
+    if n > 0 and _POOL is None:
+        import multiprocessing
+
+        _POOL = multiprocessing.get_context("fork").Pool(n)
+    return _POOL
+
+
+def stop_data_workers():
+    global _POOL
+    if _POOL is not None:
+        _POOL.terminate()
+        _POOL.join()
+        _POOL = None
+
+
+def _make_batch(source, start: int, size: int) -> dict:
+    rows = [source[start + i] for i in range(size)]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def batch_stream(source, batch_size: int, *, seed: int, prefetch: int | None = None):
+    """The batches of `deltajax.data.train_iterator(source, batch_size, seed=seed)`, built by the data workers when
+    they are started (batch s holds examples [s B, (s + 1) B) of an unshuffled synthetic source); endless."""
+    if _POOL is None or len(source) < NUM_EXAMPLES:  # shuffled sources: grain's order
+        yield from train_iterator(source, batch_size, seed=seed)
+        return
+    window = collections.deque()
+    ahead = prefetch or 2 * _POOL._processes
+    s = 0
+    while True:
+        while len(window) < ahead:
+            window.append(_POOL.apply_async(_make_batch, (source, s * batch_size, batch_size)))
+            s += 1
+        yield window.popleft().get()
+
+
+class RunBudget:
+    """Splits a wall-clock budget (seconds from construction) evenly over the runs still to come."""
+
+    def __init__(self, seconds: float | None, runs: int):
+        self.seconds, self.runs_left, self.start = seconds, runs, time.perf_counter()
+        self.eval_seconds = None  # measured on the first run
+
+    def next_share(self) -> float | None:
+        """Seconds for the next run: what is left divided by the runs left (None: no budget)."""
+        if self.seconds is None:
+            return None
+        left = self.seconds - (time.perf_counter() - self.start)
+        share = left / max(self.runs_left, 1)
+        self.runs_left -= 1
+        return max(share, 0.0)
+
+    def eval_reserve(self, share: float) -> float:
+        """Seconds kept back from a run's share for its evaluation."""
+        measured = 1.5 * self.eval_seconds if self.eval_seconds is not None else 0.0
+        return min(max(0.1 * share, measured), 0.5 * share)
 
 
 def make_predict(graphdef):
@@ -66,27 +220,68 @@ def make_predict(graphdef):
 
 
 def train_and_score(config: ModelConfig, train_source, eval_sets: dict, *, steps: int, batch_size: int,
-                    learning_rate: float, seed: int = 0, log_every: int = 50, log=print) -> dict:
+                    learning_rate: float, seed: int = 0, log_every: int = 50, log=print,
+                    time_budget_s: float | None = None, eval_reserve_s: float = 0.0) -> dict:
     """Trains `config` on `train_source` and returns losses, timings and {name: accuracy} for every eval set.
 
     eval_sets: {name: list of batches (dicts of numpy arrays with inputs, targets, weights)}; accuracy is the
     fraction of weighted positions whose argmax prediction equals the target.
+
+    time_budget_s: wall seconds for this run from the call, compilation and evaluation included; training gets
+    `time_budget_s - eval_reserve_s`. The schedule is fitted to the steps that fit (at most `steps`; see the
+    module docstring) and training stops at the deadline in any case. None: exactly `steps` steps.
     """
+    called = time.perf_counter()
     optim = OptimConfig(learning_rate=learning_rate, warmup_steps=min(50, steps // 10), weight_decay=0.1)
-    optimizer, schedule = make_optimizer(optim, steps)
+    optimizer, schedule = make_fitted_optimizer(optim, steps)
     graphdef, state = init_state(config, optimizer, seed, make_mesh(1))
     step_fn = jax.jit(make_train_step(graphdef, optimizer, schedule), donate_argnums=0)
-    iterator = train_iterator(train_source, batch_size, seed=seed)
+    iterator = batch_stream(train_source, batch_size, seed=seed)
+    deadline = None if time_budget_s is None else called + max(time_budget_s - eval_reserve_s, 0.0)
+    horizon, refits = steps, []
+    # Step 1 compiles; the horizon is fitted to the step time measured since then at step 11 and again once a
+    # quarter and half of the budget have passed (after that the cosine decays undisturbed to its end).
+    fit_fractions = [0.25, 0.5]
+    last = None  # (step, time) of the last measurement
     losses = []
     start = time.perf_counter()
-    for step in range(1, steps + 1):
+    step, train_len = 0, 0
+    stopped_early = False
+    while step < horizon:
+        step += 1
         batch = {k: jnp.asarray(v) for k, v in next(iterator).items()}
+        train_len = batch["inputs"].shape[1]
         state, metrics = step_fn(state, batch)
-        if step % log_every == 0 or step == steps:
+        if step % log_every == 0 or step == horizon:
             loss = float(metrics["loss"])
             losses.append((step, loss))
             log(f"  step {step}: loss {loss:.4f}")
+        if deadline is None:
+            continue
+        now = time.perf_counter()
+        if step in (1, 11) or (fit_fractions and now - called >= fit_fractions[0] * time_budget_s):
+            jax.block_until_ready(metrics)
+            now = time.perf_counter()
+            if last is not None:
+                per_step = (now - last[1]) / (step - last[0])
+                fitted = max(min(step + int(0.95 * (deadline - now) / per_step), steps), step + 1)
+                if fitted != horizon:
+                    horizon = fitted
+                    state = set_horizon(state, horizon)
+                refits.append(dict(step=step, seconds_per_step=per_step, horizon=horizon))
+            while fit_fractions and now - called >= fit_fractions[0] * time_budget_s:
+                fit_fractions.pop(0)
+            last = (step, now)
+        if now >= deadline and step < horizon:
+            stopped_early = True
+            loss = float(metrics["loss"])
+            if not losses or losses[-1][0] != step:
+                losses.append((step, loss))
+            log(f"  step {step}: loss {loss:.4f} (time budget spent, stopping before step {horizon})")
+            break
+    jax.block_until_ready(state)
     train_seconds = time.perf_counter() - start
+    eval_start = time.perf_counter()
     predict = make_predict(graphdef)
     accuracy = {}
     for name, batches in eval_sets.items():
@@ -98,7 +293,10 @@ def train_and_score(config: ModelConfig, train_source, eval_sets: dict, *, steps
             total += float(np.sum(w))
         accuracy[name] = hits / max(total, 1.0)
     return dict(parameters=count_parameters(config), losses=losses, train_seconds=train_seconds,
-                final_loss=losses[-1][1] if losses else float("nan"), accuracy=accuracy)
+                eval_seconds=time.perf_counter() - eval_start, seconds=time.perf_counter() - called,
+                final_loss=losses[-1][1] if losses else float("nan"), accuracy=accuracy, steps=step,
+                max_steps=steps, schedule_steps=horizon, stopped_early=stopped_early, budget_s=time_budget_s,
+                refits=refits, rule_impl=rule_impl(config, batch_size, train_len))
 
 
 def fixed_batches(source, batch_size: int, num_batches: int, offset: int = 0) -> list[dict]:
@@ -120,6 +318,16 @@ def run_header() -> dict:
     device = jax.devices()[0]
     return dict(date=time.strftime("%Y-%m-%d"), device=f"{device.platform} ({device.device_kind})",
                 jax=jax.__version__)
+
+
+def try_plot(plot_fn, records, path: str):
+    """Calls `plot_fn(records, path)` if matplotlib is installed (plots are optional)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"matplotlib is not installed: no plot {path}")
+        return
+    plot_fn(records, path)
 
 
 def save_figure(fig, path: str):

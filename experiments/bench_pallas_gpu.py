@@ -2,7 +2,7 @@
 
     python experiments/bench_pallas_gpu.py --sizes=8x2048x16x128 --variants=default,bv128,warps8
 
-Each variant overrides fields of `wy_chunk.default_config` (see VARIANTS). Rows: the prepare kernel (W, U0, T), the
+Each variant overrides fields of `wy_chunk.default_config` (see VARIANTS). Rows: the inverse kernel (T), the
 forward pass (with and without saving chunk states), the reverse pass, the gradient kernel, then forward and
 forward+backward through `chunk_wy` (medians of --iters runs with block_until_ready).
 """
@@ -24,28 +24,66 @@ flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = V = D, Hv = H)
 flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
 flags.DEFINE_integer("iters", 20, "Timed runs (median reported).")
 flags.DEFINE_bool("per_kernel", True, "Also time each kernel alone.")
+flags.DEFINE_bool("grads_only", False, "Time only the gradient kernel(s) (`_grads`, its XLA sums included); the "
+                  "other columns are left empty (nan).")
 flags.DEFINE_string("error_size", "2x1024x4x128", "BxTxHxD where each variant's error against the fp32 scan "
                     "(on the same bf16 inputs) is measured; empty to skip.")
 flags.DEFINE_bool("interpret", False, "Run in Pallas's interpreter (a smoke test of this script on CPU).")
 
 VARIANTS = {
     "default": {},
-    "bv32": dict(block_v=32, grad_block_v=32),
-    "bv128": dict(block_v=128, grad_block_v=128),
-    "fwd_bv128": dict(block_v=128),
-    "grad_bv128": dict(grad_block_v=128),
-    "grad_bv32": dict(grad_block_v=32),
+    "all_bf16": dict(dots="bf16", inverse_dots="bf16", grad_dots="bf16"),
+    "all_tf32": dict(dots="tf32", inverse_dots="tf32", grad_dots="tf32"),
+    "fwd_bf16": dict(dots="bf16"),
+    "grad_bf16": dict(grad_dots="bf16"),
+    "bv32": dict(block_v=32),
+    "bv128": dict(block_v=128),
     "warps8": dict(warps=8),
+    "grad_bv16": dict(grad_block_v=16),
+    "grad_bv64": dict(grad_block_v=64),
+    "grad_bv128": dict(grad_block_v=128),
+    "grad_warps8": dict(grad_warps=8),
+    "grad_bv64_warps8": dict(grad_block_v=64, grad_warps=8),
     "stages1": dict(stages=1),
     "stages3": dict(stages=3),
-    "bf16_factors": dict(factor_dtype="bfloat16"),
-    "bf16_factors_warps8": dict(factor_dtype="bfloat16", warps=8),
-    "bf16dots": dict(dots="bf16"),
-    "bf16dots_factors": dict(dots="bf16", factor_dtype="bfloat16"),
-    "bf16dots_grad_bv128": dict(dots="bf16", grad_block_v=128),
-    "grad_bv128_warps8": dict(grad_block_v=128, warps=8),
-    "tf32_backward": dict(grad_dots="tf32"),
-    "grad_bv64": dict(grad_block_v=64),
+    "inv_warps1": dict(inverse_warps=1),
+    "inv_warps2": dict(inverse_warps=2),
+    "inv_warps4": dict(inverse_warps=4),
+    "inv_warps8": dict(inverse_warps=8),
+    # In-chunk inverse methods (wy_chunk.INVERSE_METHODS) and their warps.
+    "inv_blocks16": dict(inverse_method="blocks16", inverse_warps=1),
+    "inv_blocks16_warps2": dict(inverse_method="blocks16", inverse_warps=2),
+    "inv_blocks16_warps4": dict(inverse_method="blocks16", inverse_warps=4),
+    "inv_blocks16_warps8": dict(inverse_method="blocks16", inverse_warps=8),
+    "inv_batched16": dict(inverse_method="batched16", inverse_warps=1),
+    "inv_batched16_warps2": dict(inverse_method="batched16", inverse_warps=2),
+    "inv_batched16_warps4": dict(inverse_method="batched16", inverse_warps=4),
+    "inv_batched16_warps8": dict(inverse_method="batched16", inverse_warps=8),
+    "grad_warps2": dict(grad_warps=2),
+    # Gradient methods (wy_chunk.GRAD_METHODS), every field given (the defaults differ by method); "fused" with
+    # grad_block_k < K recomputes the V-local terms per K block. Measured: docs/kernels.md.
+    "grad_fused": dict(grad_method="fused", grad_block_v=32, grad_block_k=128, grad_warps=4),
+    "grad_fused_bk64": dict(grad_method="fused", grad_block_v=32, grad_block_k=64, grad_warps=4),
+    "grad_fused_bk64_bv64": dict(grad_method="fused", grad_block_v=64, grad_block_k=64, grad_warps=4),
+    "grad_fused_bk64_warps8": dict(grad_method="fused", grad_block_v=32, grad_block_k=64, grad_warps=8),
+    "grad_staged": dict(grad_method="staged", grad_block_v=64, grad_block_k=64, grad_warps=4, grad_k_warps=4),
+    "grad_staged_bv32": dict(grad_method="staged", grad_block_v=32, grad_block_k=64, grad_warps=4, grad_k_warps=4),
+    "grad_staged_bv128": dict(grad_method="staged", grad_block_v=128, grad_block_k=64, grad_warps=4, grad_k_warps=4),
+    "grad_staged_bk128": dict(grad_method="staged", grad_block_v=64, grad_block_k=128, grad_warps=4, grad_k_warps=4),
+    "grad_staged_bk128_kwarps8": dict(grad_method="staged", grad_block_v=64, grad_block_k=128, grad_warps=4,
+                                       grad_k_warps=8),
+    "grad_staged_bk128_bv32_kwarps8": dict(grad_method="staged", grad_block_v=32, grad_block_k=128, grad_warps=4,
+                                            grad_k_warps=8),
+    "grad_staged_bk32": dict(grad_method="staged", grad_block_v=64, grad_block_k=32, grad_warps=4, grad_k_warps=4),
+    "grad_staged_warps8": dict(grad_method="staged", grad_block_v=64, grad_block_k=64, grad_warps=8, grad_k_warps=8),
+    "grad_staged_kwarps8": dict(grad_method="staged", grad_block_v=64, grad_block_k=64, grad_warps=4, grad_k_warps=8),
+    "grad_staged_bv32_warps8": dict(grad_method="staged", grad_block_v=32, grad_block_k=64, grad_warps=8,
+                                     grad_k_warps=4),
+    "grad_staged_warps2": dict(grad_method="staged", grad_block_v=64, grad_block_k=64, grad_warps=2, grad_k_warps=2),
+    "grad_staged_stages1": dict(grad_method="staged", grad_block_v=64, grad_block_k=64, grad_warps=4,
+                                 grad_k_warps=4, stages=1),
+    "grad_staged_bf16": dict(grad_method="staged", grad_block_v=64, grad_block_k=64, grad_warps=4,
+                              grad_k_warps=4, grad_dots="bf16", inverse_dots="bf16"),
 }
 
 
@@ -78,7 +116,8 @@ def variant_errors(cfg):
 
     B, T, H, D = (int(x) for x in FLAGS.error_size.split("x"))
     q, k, v, beta, log_decay = inputs(B, T, H, D)
-    cfg = dataclasses.replace(cfg, scale=D ** -0.5)
+    # The timing config was built for the benchmark size; the head counts must match the error size.
+    cfg = dataclasses.replace(cfg, scale=D ** -0.5, key_heads=H, value_heads=H)
 
     def loss(fn, q, k, v, b, g):
         o, _ = fn(q, k, v, b, g, scale=D ** -0.5, initial_state=None, segment_ids=None)
@@ -96,13 +135,25 @@ def variant_errors(cfg):
     return ", ".join(f"{rel(x, r):.1e}" for x, r in zip((o,) + grads, (o_ref,) + grads_ref))
 
 
+def grads_row(size, name, cfg, gargs):
+    """--grads_only: the gradient kernels, and for "staged" its first kernel alone (dv needs no other)."""
+    grads = jax.jit(lambda *a: wy_chunk._grads(cfg, *a))
+    note = ""
+    if cfg.grad_method == "staged":
+        first = jax.jit(lambda *a: wy_chunk._grads(cfg, *a)[2])  # XLA drops the second kernel
+        note = f"V-block kernel alone {median_ms(first, *gargs, iters=FLAGS.iters):.3f} ms"
+    cells = ["nan"] * 4 + [f"{median_ms(grads, *gargs, iters=FLAGS.iters):.3f}", "nan", "nan", note]
+    return f"| {size} | {name} | " + " | ".join(cells) + " |"
+
+
 def main(argv):
     del argv
     dev = jax.devices()[0]
     print(f"# {dev.device_kind}, jax {jax.__version__}")
-    print("| size | variant | prepare | fwd pass | fwd pass+states | reverse | grads | fwd | fwd+bwd | rel. error "
+    print("| size | variant | inverse | fwd pass | fwd pass+states | reverse | grads | fwd | fwd+bwd | rel. error "
           "o, dq, dk, dv, dbeta, dlog_decay |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    prepared = {}  # --grads_only: the gradient kernels' inputs per size and forward configuration
     for size in FLAGS.sizes:
         B, T, H, D = (int(x) for x in size.split("x"))
         q, k, v, beta, log_decay = inputs(B, T, H, D)
@@ -114,28 +165,38 @@ def main(argv):
                 cells = []
                 if FLAGS.per_kernel:
                     C = cfg.chunk_size
-                    g = jnp.cumsum(log_decay.reshape(B, T // C, C, H), axis=2).reshape(B, T, H)
+                    g = wy_chunk._in_chunk_cumsum(cfg, log_decay)  # [hi, lo]
                     doc = jnp.zeros((B, T), jnp.int32)
                     ones = jnp.ones((B, T), jnp.float32)
                     h0 = jnp.zeros((B, H, D, D), jnp.float32)
-                    prep = jax.jit(lambda k, v, b, g: wy_chunk._prepare(cfg, k, v, b, g, doc, ones, with_t=True))
-                    w, u0, t = prep(k, v, beta, g)
-                    fwd0 = jax.jit(lambda q, k, w, u0, g: wy_chunk._forward_pass(
-                        cfg, q, k, w, u0, g, doc, ones, ones, h0, with_states=False))
-                    fwd1 = jax.jit(lambda q, k, w, u0, g: wy_chunk._forward_pass(
-                        cfg, q, k, w, u0, g, doc, ones, ones, h0, with_states=True))
-                    o, final, starts = fwd1(q, k, w, u0, g)
-                    rev = jax.jit(lambda q, k, w, g, do, df: wy_chunk._reverse_pass(
-                        cfg, q, k, w, g, doc, ones, ones, do, df))
-                    dh0, dends = rev(q, k, w, g, o, final)
+                    inv = jax.jit(lambda k, b, g: wy_chunk._inverse(cfg, k, b, g, doc))
+                    # The gradient kernels' inputs depend on no grad_* field but grad_dots: made once per size.
+                    key = (size, dataclasses.replace(cfg, grad_block_v=0, grad_block_k=0, grad_method="",
+                                                     grad_warps=0, grad_k_warps=0))
+                    if FLAGS.grads_only and key in prepared:
+                        print(grads_row(size, name, cfg, prepared[key]), flush=True)
+                        continue
+                    t = inv(k, beta, g)
+                    fwd0 = jax.jit(lambda q, k, v, b, t, g: wy_chunk._forward_pass(
+                        cfg, q, k, v, b, t, g, doc, ones, ones, h0, with_states=False))
+                    fwd1 = jax.jit(lambda q, k, v, b, t, g: wy_chunk._forward_pass(
+                        cfg, q, k, v, b, t, g, doc, ones, ones, h0, with_states=True))
+                    o, final, starts = fwd1(q, k, v, beta, t, g)
+                    rev = jax.jit(lambda q, k, b, t, g, do, df: wy_chunk._reverse_pass(
+                        cfg, q, k, b, t, g, doc, ones, ones, do, df))
+                    dh0, dends = rev(q, k, beta, t, g, o, final)
                     grads = jax.jit(lambda *a: wy_chunk._grads(cfg, *a))
-                    gargs = (q, k, v, beta, g, doc, ones, ones, t, w, u0, starts, dends, o)
-                    cells += [median_ms(prep, k, v, beta, g, iters=FLAGS.iters),
-                              median_ms(fwd0, q, k, w, u0, g, iters=FLAGS.iters),
-                              median_ms(fwd1, q, k, w, u0, g, iters=FLAGS.iters),
-                              median_ms(rev, q, k, w, g, o, final, iters=FLAGS.iters),
+                    gargs = (q, k, v, beta, t, g, doc, ones, ones, starts, dends, o)
+                    if FLAGS.grads_only:
+                        prepared[key] = gargs
+                        print(grads_row(size, name, cfg, gargs), flush=True)
+                        continue
+                    cells += [median_ms(inv, k, beta, g, iters=FLAGS.iters),
+                              median_ms(fwd0, q, k, v, beta, t, g, iters=FLAGS.iters),
+                              median_ms(fwd1, q, k, v, beta, t, g, iters=FLAGS.iters),
+                              median_ms(rev, q, k, beta, t, g, o, final, iters=FLAGS.iters),
                               median_ms(grads, *gargs, iters=FLAGS.iters)]
-                    del w, u0, t, o, final, starts, dh0, dends
+                    del t, o, final, starts, dh0, dends
                 else:
                     cells += [float("nan")] * 5
                 run = lambda q, k, v, b, g: wy_chunk.chunk_wy(q, k, v, b, g, scale=D ** -0.5, initial_state=None,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install the repo, run the GPU tests of the Pallas kernels, time them.
-#   MODE=all (default) or a comma list of sweep, tests, bench, memory;  logs go to $OUT (or ./gpu_logs).
+#   MODE=all (default) or a comma list of sweep, precision, tests, kda_tests, bench, kda_bench, memory;  logs go to $OUT (or ./gpu_logs).
 set -u -o pipefail
 OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT"
@@ -19,13 +19,25 @@ if want sweep; then
   timeout ${SWEEP_TIMEOUT:-200} python3 experiments/bench_pallas_gpu.py --sizes="$SWEEP_SIZES" --variants="$SWEEP_VARIANTS" 2>&1 \
     | grep -v Warning | tee "$OUT/sweep.log"
 fi
+if want precision; then
+  timeout ${PRECISION_TIMEOUT:-120} python3 experiments/kernel_precision.py --size="${PRECISION_SIZE:-2x1024x2x128}" \
+    --variants="${PRECISION_VARIANTS:-default}" 2>&1 | grep -v Warning | tee "$OUT/precision.log"
+fi
 if want tests; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_wy_chunk.py -k "${TESTS:-gpu_bf16 or gpu_fp32 or gpu_adversarial or gpu_dispatch}" \
     -rA --tb=short ${PYTEST_EXTRA:-} 2>&1 | tee "$OUT/pytest.log" | grep -E "PASS|FAIL|Error|error|assert|passed|failed"
 fi
+if want kda_tests; then
+  timeout ${KDA_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kda.py -k "${KDA_TESTS:-test_gpu_}" \
+    -rA --tb=short 2>&1 | tee "$OUT/pytest_kda.log" | grep -E "PASS|FAIL|Error|error|assert|passed|failed"
+fi
 if want bench; then
   timeout ${BENCH_TIMEOUT:-240} python3 experiments/bench_rules.py --rule=gated_deltanet --impls="$BENCH_IMPLS" \
     --sizes="$BENCH_SIZES" ${BENCH_EXTRA:-} 2>&1 | grep -v Warning | tee "$OUT/bench.log"
+fi
+if want kda_bench; then
+  timeout ${KDA_BENCH_TIMEOUT:-200} python3 experiments/bench_rules.py --rule=kda --impls="${KDA_BENCH_IMPLS:-pallas}" \
+    --sizes="$BENCH_SIZES" ${BENCH_EXTRA:-} 2>&1 | grep -v Warning | tee "$OUT/bench_kda.log"
 fi
 if want memory; then
   timeout ${MEMORY_TIMEOUT:-200} python3 experiments/bench_rules.py --rule=gated_deltanet --impls=pallas \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on a machine with several GPUs: the same training run data parallel, then sequence parallel.
-# Needs grain's wheels carried in .whl (see docs/training.md); logs and metrics go to $OUT (or ./gpu_logs).
+# Needs grain's wheels carried in .whl (tools/fetch_gpu_wheels.sh); logs and metrics go to $OUT (or ./gpu_logs).
 #   STEPS=150 PRESET=hybrid-small-bytes bash experiments/gpu_train_parallel.sh
 set -u -o pipefail
 OUT=${OUT:-gpu_logs}

@@ -11,7 +11,9 @@ shape and equal training tokens; validation loss and perplexity at the training 
         --batch_size=32 --steps=1500 --learning_rate=1e-3 --eval_every=250
 
 Every run goes through `deltajax.train.train` (metrics.jsonl, checkpoints and loss.png in --run_root/<variant>).
-Writes a JSON record, a table and the validation curves.
+Writes a JSON record (after every run, so an interrupted script keeps the runs it finished), a table and the
+validation curves. `--time_budget_s` splits a wall budget evenly over the variants; a run that reaches its share
+stops there (evaluated, marked "stopped early", fewer tokens): pick --steps that fit, the budget is a guard.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
 flags.DEFINE_integer("eval_every", 50, "Evaluate every this many steps.")
 flags.DEFINE_integer("eval_batches", 8, "Evaluation batches per length.")
 flags.DEFINE_string("impl", None, "Rule implementation (default: scan on CPU, auto elsewhere).")
+flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype of the models.")
+flags.DEFINE_float("time_budget_s", None, "Wall seconds for all runs together, split evenly (what a run leaves goes "
+                   "to the next); a run that reaches its share stops early and is evaluated there. Unset: no limit.")
 flags.DEFINE_integer("seed", 0, "Initialisation and data order.")
 flags.DEFINE_string("run_root", None, "Run directories go here (default: a new temporary directory).")
 flags.DEFINE_string("out", "docs/figures/lm_compare.json", "JSON record of the runs.")
@@ -61,7 +66,8 @@ def print_table(records):
     for variant, runs in by_variant.items():
         loss1 = sum(r["summary"]["eval_loss@1x"] for r in runs) / len(runs)
         loss2 = sum(r["summary"]["eval_loss@2x"] for r in runs) / len(runs)
-        print(f"| {variant} | {runs[0]['parameters']:,} | {runs[0]['tokens']:,} | {loss1:.4f}"
+        cut = " (cut)" if any(r["summary"].get("stopped_early") for r in runs) else ""
+        print(f"| {variant} | {runs[0]['parameters']:,} | {runs[0]['tokens']:,}{cut} | {loss1:.4f}"
               f"{each(runs, 'eval_loss@1x')} | {math.exp(loss1):.3f} | {loss1 / math.log(2):.3f} | {loss2:.4f}"
               f"{each(runs, 'eval_loss@2x')} | {math.exp(loss2):.3f} |")
 
@@ -103,7 +109,7 @@ def main(argv):
         records = common.load_runs(FLAGS.tabulate)
         print_table(records)
         if FLAGS.plot:
-            plot(records, FLAGS.plot)
+            common.try_plot(plot, records, FLAGS.plot)
         return
     impl = common.default_impl(FLAGS.impl)
     header = common.run_header()
@@ -111,11 +117,17 @@ def main(argv):
     data = build_data(data_config, FLAGS.seq_len)
     print(data.description, flush=True)
     run_root = FLAGS.run_root or tempfile.mkdtemp(prefix="lm_compare_")
+    settings = {name: FLAGS[name].value for name in ("variants", "data", "d_model", "n_layers", "n_heads",
+                                                      "seq_len", "batch_size", "steps", "learning_rate",
+                                                      "eval_every", "eval_batches", "seed", "compute_dtype",
+                                                      "time_budget_s")}
     records = []
     started = time.perf_counter()
+    budget = common.RunBudget(FLAGS.time_budget_s, len(FLAGS.variants))
     for variant in FLAGS.variants:
         model = common.model_config(variant, vocab_size=data.vocab_size, d_model=FLAGS.d_model,
-                                    n_layers=FLAGS.n_layers, impl=impl, chunk_size=64)
+                                    n_layers=FLAGS.n_layers, impl=impl, chunk_size=64,
+                                    compute_dtype=FLAGS.compute_dtype)
         model = model.replace(n_heads=FLAGS.n_heads, n_value_heads=FLAGS.n_heads,
                               head_dim=FLAGS.d_model // FLAGS.n_heads,
                               value_head_dim=FLAGS.d_model // FLAGS.n_heads).validate()
@@ -127,27 +139,33 @@ def main(argv):
                              log_every=max(FLAGS.steps // 20, 1), eval_every=FLAGS.eval_every,
                              eval_batches=FLAGS.eval_batches, checkpoint_every=0, async_checkpoints=False,
                              run_dir=run_dir, seed=FLAGS.seed, progress_bar=False)
-        print(f"{variant}: {common.count_parameters(model):,} parameters, run_dir {run_dir}", flush=True)
+        share = budget.next_share()
+        # The stop is checked before the final evaluation (two lengths, each compiled once): keep time for it.
+        train_budget = None if share is None else share - min(max(0.15 * share, 10.0), 0.5 * share)
+        print(f"{variant}: {common.count_parameters(model):,} parameters, run_dir {run_dir}"
+              + (f", {share:.0f} s budget" if share is not None else ""), flush=True)
         t0 = time.perf_counter()
-        summary = train(config, data=data, log=lambda s: print("  " + s, flush=True))
+        summary = train(config, data=data, time_budget_s=train_budget, log=lambda s: print("  " + s, flush=True))
         seconds = time.perf_counter() - t0
         logged = read_records(os.path.join(run_dir, "metrics.jsonl"))
         records.append(dict(variant=variant, parameters=common.count_parameters(model), seconds=seconds,
-                            tokens=FLAGS.steps * FLAGS.batch_size * FLAGS.seq_len, summary=summary,
+                            tokens=summary["step"] * FLAGS.batch_size * FLAGS.seq_len, summary=summary,
+                            rule_impl=common.rule_impl(model, FLAGS.batch_size, FLAGS.seq_len),
                             evals=[r for r in logged if r.get("kind") == "eval"],
                             train=[(r["step"], r["loss"]) for r in logged if r.get("kind") == "train"]))
+        if FLAGS.out:  # after every run: a script cut short keeps what it finished
+            common.write_json(FLAGS.out, dict(header, impl=impl, corpus=data.description, settings=settings,
+                                              complete=False, seconds=time.perf_counter() - started,
+                                              runs=records))
 
     print_table(records)
     total = time.perf_counter() - started
     print(f"\ntotal {total:.0f} s on {header['device']}")
-    settings = {name: FLAGS[name].value for name in ("variants", "data", "d_model", "n_layers", "n_heads",
-                                                      "seq_len", "batch_size", "steps", "learning_rate",
-                                                      "eval_every", "eval_batches", "seed")}
     if FLAGS.out:
         common.write_json(FLAGS.out, dict(header, impl=impl, corpus=data.description, settings=settings,
-                                          seconds=total, runs=records))
+                                          complete=True, seconds=total, runs=records))
     if FLAGS.plot:
-        plot(records, FLAGS.plot)
+        common.try_plot(plot, records, FLAGS.plot)
 
 
 if __name__ == "__main__":

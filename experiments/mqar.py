@@ -11,8 +11,13 @@ step-size rules of seed 000 (Kaczmarz, relaxed Kaczmarz, Longhorn, EFLA), each 2
     # the Zoology setting (vocab 8192, sequence 512, 64 key-value pairs, widths 64/128/256), a GPU-sized budget
     python experiments/mqar.py --vocab_size=8192 --seq_len=512 --num_kv_pairs=64 --widths=64,128,256 \
         --steps=4000 --batch_size=128 --learning_rate=1e-3
+    # the same, each run's schedule fitted to its share of 300 s (at most 4000 steps), one process per width
+    python experiments/mqar.py --vocab_size=8192 --seq_len=512 --num_kv_pairs=64 --widths=256 --steps=4000 \
+        --batch_size=128 --learning_rate=1e-3 --time_budget_s=300 --data_workers=4 --out=/tmp/mqar_256.json --plot=
 
-Accuracy is measured on held-out sequences (a separate seed stream). Writes a JSON record and a plot.
+Accuracy is measured on held-out sequences (a separate seed stream). Writes a JSON record (after every run, so an
+interrupted script keeps the runs it finished) and a plot. `--time_budget_s` and `--data_workers`: see
+experiments/_synthetic.py.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ flags.DEFINE_integer("batch_size", 32, "Sequences per step.")
 flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
 flags.DEFINE_integer("eval_batches", 4, "Evaluation batches of --batch_size.")
 flags.DEFINE_string("impl", None, "Rule implementation (default: scan on CPU, auto elsewhere).")
+flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype of the models.")
+flags.DEFINE_float("time_budget_s", None, "Wall seconds for all runs together (compilation and evaluation "
+                   "included), split evenly; each run fits its schedule to at most --steps steps that fit its share "
+                   "and stops at its deadline. Unset: exactly --steps steps.")
+flags.DEFINE_integer("data_workers", 0, "Processes building training batches (0: in the main process).")
 flags.DEFINE_integer("seed", 0, "Initialisation and data seed.")
 flags.DEFINE_string("out", "docs/figures/mqar.json", "JSON record of the runs.")
 flags.DEFINE_string("plot", "docs/figures/mqar.png", "Accuracy against width ('' for none).")
@@ -66,9 +76,17 @@ def print_table(records):
         cells = []
         for w in widths:
             values = by_key.get((variant, w), [])
-            mean = sum(values) / max(len(values), 1)
+            if not values:
+                cells.append("-")
+                continue
+            mean = sum(values) / len(values)
             cells.append(f"{mean:.3f}" + (" (" + ", ".join(f"{x:.3f}" for x in values) + ")" if seeds > 1 else ""))
         print(f"| {variant} | " + " | ".join(cells) + " |")
+    if any("steps" in r for r in records):  # runs fitted to a time budget train different numbers of steps
+        print("\nsteps trained (cut: stopped at the deadline before the end of the schedule):")
+        for r in records:
+            print(f"  d={r['d_model']} {r['variant']}: {r.get('steps', '?')}"
+                  + (" (cut)" if r.get("stopped_early") else "") + f", {r.get('rule_impl', '?')}")
 
 
 def plot(records, path):
@@ -108,11 +126,16 @@ def main(argv):
         records = common.load_runs(FLAGS.tabulate)
         print_table(records)
         if FLAGS.plot:
-            plot(records, FLAGS.plot)
+            common.try_plot(plot, records, FLAGS.plot)
         return
 
+    common.start_data_workers(FLAGS.data_workers)  # forks: before JAX starts a backend
     impl = common.default_impl(FLAGS.impl)
     header = common.run_header()
+    settings = {name: FLAGS[name].value for name in ("variants", "widths", "n_layers", "vocab_size", "seq_len",
+                                                      "num_kv_pairs", "steps", "batch_size", "learning_rate",
+                                                      "eval_batches", "seed", "compute_dtype", "time_budget_s",
+                                                      "data_workers")}
     train_source = MQAR(FLAGS.seq_len, vocab_size=FLAGS.vocab_size, num_kv_pairs=FLAGS.num_kv_pairs,
                         seed=2 * FLAGS.seed)
     test_source = MQAR(FLAGS.seq_len, vocab_size=FLAGS.vocab_size, num_kv_pairs=FLAGS.num_kv_pairs,
@@ -120,28 +143,37 @@ def main(argv):
     eval_sets = {"test": common.fixed_batches(test_source, FLAGS.batch_size, FLAGS.eval_batches)}
     records = []
     started = time.perf_counter()
+    budget = common.RunBudget(FLAGS.time_budget_s, len(FLAGS.widths) * len(FLAGS.variants))
     for width in (int(w) for w in FLAGS.widths):
         for variant in FLAGS.variants:
             config = common.model_config(variant, vocab_size=FLAGS.vocab_size, d_model=width,
-                                         n_layers=FLAGS.n_layers, impl=impl, chunk_size=64)
-            print(f"d_model {width} / {variant}: {common.count_parameters(config):,} parameters", flush=True)
+                                         n_layers=FLAGS.n_layers, impl=impl, chunk_size=64,
+                                         compute_dtype=FLAGS.compute_dtype)
+            share = budget.next_share()
+            print(f"d_model {width} / {variant}: {common.count_parameters(config):,} parameters"
+                  + (f", {share:.0f} s budget" if share is not None else ""), flush=True)
             result = common.train_and_score(config, train_source, eval_sets, steps=FLAGS.steps,
                                             batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
-                                            seed=FLAGS.seed, log_every=100)
+                                            seed=FLAGS.seed, log_every=100, time_budget_s=share,
+                                            eval_reserve_s=budget.eval_reserve(share) if share else 0.0)
+            budget.eval_seconds = result["eval_seconds"]
             result.update(variant=variant, d_model=width)
             records.append(result)
-            print(f"  accuracy {result['accuracy']['test']:.3f} ({result['train_seconds']:.0f} s)", flush=True)
+            print(f"  accuracy {result['accuracy']['test']:.3f} ({result['steps']} steps, {result['rule_impl']}, "
+                  f"{result['train_seconds']:.0f} s)", flush=True)
+            if FLAGS.out:  # after every run: a script cut short keeps what it finished
+                common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, complete=False,
+                                                  seconds=time.perf_counter() - started, runs=records))
+    common.stop_data_workers()
 
     print_table(records)
     total = time.perf_counter() - started
     print(f"\ntotal {total:.0f} s on {header['device']}")
-    settings = {name: FLAGS[name].value for name in ("variants", "widths", "n_layers", "vocab_size", "seq_len",
-                                                      "num_kv_pairs", "steps", "batch_size", "learning_rate",
-                                                      "eval_batches", "seed")}
     if FLAGS.out:
-        common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, seconds=total, runs=records))
+        common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, complete=True, seconds=total,
+                                          runs=records))
     if FLAGS.plot:
-        plot(records, FLAGS.plot)
+        common.try_plot(plot, records, FLAGS.plot)
 
 
 if __name__ == "__main__":

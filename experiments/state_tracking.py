@@ -8,11 +8,16 @@ Train on short sequences, test on longer ones, and report the scaled accuracy (a
     python experiments/state_tracking.py
     # the published setting (2 layers, d_model 128, train lengths 3-40, test 40-256), a GPU-sized budget
     python experiments/state_tracking.py --steps=5000 --batch_size=256 --tasks=parity,modular,modular_brackets
+    # at most 5000 steps, each run's schedule fitted to its share of 300 s; runs split over processes, then merged
+    python experiments/state_tracking.py --steps=5000 --batch_size=256 --time_budget_s=300 --data_workers=3 \
+        --variants=deltanet,deltanet_neg --out=/tmp/st_a.json --plot=
+    python experiments/state_tracking.py --tabulate=/tmp/st_a.json,/tmp/st_b.json --plot=/tmp/st.png
 
 Parity targets are the running parity at every position, so one sequence of length 40 trains every length
 3..40 at once; accuracy "train" is over prefix lengths 3-40 and "test" over 40-256 of separate length-256
 sequences. Modular arithmetic scores only the answer after "="; its test set keeps the expressions of 40-256
-tokens. Writes a JSON record and a bar plot.
+tokens. Writes a JSON record (after every run, so an interrupted script keeps the runs it finished) and a bar
+plot. `--time_budget_s` and `--data_workers`: see experiments/_synthetic.py.
 """
 
 from __future__ import annotations
@@ -40,9 +45,17 @@ flags.DEFINE_integer("batch_size", 32, "Sequences per step.")
 flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
 flags.DEFINE_integer("eval_batches", 4, "Evaluation batches (of --batch_size) per length range.")
 flags.DEFINE_string("impl", None, "Rule implementation (default: scan on CPU, auto elsewhere).")
+flags.DEFINE_integer("chunk_size", 64, "Chunk of the chunked forms (64: what the Pallas GPU kernels take).")
+flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype of the models.")
+flags.DEFINE_float("time_budget_s", None, "Wall seconds for all runs together (compilation and evaluation "
+                   "included), split evenly; each run fits its schedule to at most --steps steps that fit its share "
+                   "and stops at its deadline. Unset: exactly --steps steps.")
+flags.DEFINE_integer("data_workers", 0, "Processes building training batches (0: in the main process).")
 flags.DEFINE_integer("seed", 0, "Initialisation and data seed.")
 flags.DEFINE_string("out", "docs/figures/state_tracking.json", "JSON record of the runs.")
 flags.DEFINE_string("plot", "docs/figures/state_tracking.png", "Bar plot of scaled test accuracy ('' for none).")
+flags.DEFINE_list("tabulate", [], "Train nothing: merge the runs of these JSON records (e.g. one per process), print "
+                  "the table and plot.")
 
 
 def task_sources(task, seq_len, modulus, seed):
@@ -106,15 +119,42 @@ def plot(records, path):
     common.save_figure(fig, path)
 
 
+def print_table(records):
+    low_high = lambda r, split: r.get("lengths", {}).get(split)
+    first = records[0]
+    train_range = "-".join(map(str, low_high(first, "train") or ("train",)))
+    test_range = "-".join(map(str, low_high(first, "test") or ("test",)))
+    print(f"\n| task | model | params | steps | train loss | acc {train_range} | acc {test_range} | "
+          f"scaled {train_range} | scaled {test_range} |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        a, s = r["accuracy"], r["scaled_accuracy"]
+        steps = f"{r.get('steps', '?')}" + (" (cut)" if r.get("stopped_early") else "")
+        print(f"| {r['task']} | {r['variant']} | {r['parameters']:,} | {steps} | {r['final_loss']:.3f} | "
+              f"{a['train']:.3f} | {a['test']:.3f} | {s['train']:.2f} | {s['test']:.2f} |")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     import _synthetic as common
 
+    if FLAGS.tabulate:
+        records = common.load_runs(FLAGS.tabulate)
+        print_table(records)
+        if FLAGS.plot:
+            common.try_plot(plot, records, FLAGS.plot)
+        return
+    common.start_data_workers(FLAGS.data_workers)  # forks: before JAX starts a backend
     impl = common.default_impl(FLAGS.impl)
     header = common.run_header()
+    settings = {name: FLAGS[name].value for name in ("tasks", "variants", "d_model", "n_layers", "train_len",
+                                                      "min_len", "test_len", "modulus", "steps", "batch_size",
+                                                      "learning_rate", "eval_batches", "seed", "chunk_size",
+                                                      "compute_dtype", "time_budget_s", "data_workers")}
     records = []
     started = time.perf_counter()
+    budget = common.RunBudget(FLAGS.time_budget_s, len(FLAGS.tasks) * len(FLAGS.variants))
     for task in FLAGS.tasks:
         train_source, chance = task_sources(task, FLAGS.train_len, FLAGS.modulus, seed=2 * FLAGS.seed)
         test_source, _ = task_sources(task, FLAGS.test_len, FLAGS.modulus, seed=2 * FLAGS.seed + 1)
@@ -125,34 +165,36 @@ def main(argv):
                      "test": length_window(long, task, FLAGS.train_len, FLAGS.test_len)}
         for variant in FLAGS.variants:
             config = common.model_config(variant, vocab_size=train_source.vocab_size, d_model=FLAGS.d_model,
-                                         n_layers=FLAGS.n_layers, impl=impl, chunk_size=16)
-            print(f"{task} / {variant}: {common.count_parameters(config):,} parameters", flush=True)
+                                         n_layers=FLAGS.n_layers, impl=impl, chunk_size=FLAGS.chunk_size,
+                                         compute_dtype=FLAGS.compute_dtype)
+            share = budget.next_share()
+            print(f"{task} / {variant}: {common.count_parameters(config):,} parameters"
+                  + (f", {share:.0f} s budget" if share is not None else ""), flush=True)
             result = common.train_and_score(config, train_source, eval_sets, steps=FLAGS.steps,
                                             batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
-                                            seed=FLAGS.seed)
+                                            seed=FLAGS.seed, time_budget_s=share,
+                                            eval_reserve_s=budget.eval_reserve(share) if share else 0.0)
+            budget.eval_seconds = result["eval_seconds"]
             result.update(task=task, variant=variant, chance=chance,
+                          lengths={"train": [FLAGS.min_len, FLAGS.train_len],
+                                   "test": [FLAGS.train_len, FLAGS.test_len]},
                           scaled_accuracy={k: scaled(v, chance) for k, v in result["accuracy"].items()})
             records.append(result)
             print(f"  accuracy {result['accuracy']}, scaled {result['scaled_accuracy']} "
-                  f"({result['train_seconds']:.0f} s)", flush=True)
+                  f"({result['steps']} steps, {result['rule_impl']}, {result['train_seconds']:.0f} s)", flush=True)
+            if FLAGS.out:  # after every run: a script cut short keeps what it finished
+                common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, complete=False,
+                                                  seconds=time.perf_counter() - started, runs=records))
+    common.stop_data_workers()
 
-    print(f"\n| task | model | params | train loss | acc {FLAGS.min_len}-{FLAGS.train_len} | "
-          f"acc {FLAGS.train_len}-{FLAGS.test_len} | scaled {FLAGS.min_len}-{FLAGS.train_len} | "
-          f"scaled {FLAGS.train_len}-{FLAGS.test_len} |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in records:
-        a, s = r["accuracy"], r["scaled_accuracy"]
-        print(f"| {r['task']} | {r['variant']} | {r['parameters']:,} | {r['final_loss']:.3f} | {a['train']:.3f} | "
-              f"{a['test']:.3f} | {s['train']:.2f} | {s['test']:.2f} |")
+    print_table(records)
     total = time.perf_counter() - started
     print(f"\ntotal {total:.0f} s on {header['device']}")
-    settings = {name: FLAGS[name].value for name in ("tasks", "variants", "d_model", "n_layers", "train_len",
-                                                      "min_len", "test_len", "modulus", "steps", "batch_size",
-                                                      "learning_rate", "eval_batches", "seed")}
     if FLAGS.out:
-        common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, seconds=total, runs=records))
+        common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, complete=True, seconds=total,
+                                          runs=records))
     if FLAGS.plot:
-        plot(records, FLAGS.plot)
+        common.try_plot(plot, records, FLAGS.plot)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ affine chunk maps S_end = M S_0 + E (`lax.associative_scan`), which is what sequ
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -143,7 +144,12 @@ def pair_scores(a, b, cum_log_decay, mask, precision=HIGHEST):
         return jnp.where(mask, scores, 0.0)
     if cum_log_decay.hi.ndim == a.ndim - 1:
         diff = cum_log_decay.map(lambda x: x[..., :, None]).minus(cum_log_decay.map(lambda x: x[..., None, :]))
-        return scores * jnp.exp(jnp.where(mask, diff, -jnp.inf))
+        # Pairs t = s decay by the constant 1, not exp(G_t - G_t): through the exp they would send +x and -x to
+        # G_t along two differently rounded reductions, an O(eps x) residue that swamps d(log_decay) ~ exp(-20)
+        # when every gate is -20.
+        self_pair = jnp.eye(a.shape[-2], dtype=bool)
+        decay = jnp.exp(jnp.where(mask & ~self_pair, diff, -jnp.inf))
+        return scores * jnp.where(mask & self_pair, 1.0, decay)
     return jnp.where(mask, _pair_scores_channel(a, b, cum_log_decay, precision), 0.0)
 
 
@@ -155,11 +161,13 @@ def _pair_scores_channel(a, b, G, precision):
     a_ = a.reshape(*lead, n, s, K)
     b_ = b.reshape(*lead, n, s, K)
     G_ = G.map(lambda x: x.reshape(*lead, n, s, K))
-    # Diagonal sub-chunks: the exact pairwise exponent, masked to s <= t before exp.
-    lower = jnp.tril(jnp.ones((s, s), bool))[:, :, None]
+    # Diagonal sub-chunks: the exact pairwise exponent, masked to s < t before exp; the pairs s = t have the
+    # constant decay 1 and are added without exp, so that they send nothing to d(log_decay) (see pair_scores).
+    lower = jnp.tril(jnp.ones((s, s), bool), -1)[:, :, None]
     diff = G_.map(lambda x: x[..., :, :, None, :]).minus(G_.map(lambda x: x[..., :, None, :, :]))
     diag = jnp.sum(a_[..., :, :, None, :] * b_[..., :, None, :, :] * jnp.exp(jnp.where(lower, diff, -jnp.inf)),
                    axis=-1)
+    diag = diag + jnp.eye(s, dtype=diag.dtype) * jnp.sum(a_ * b_, axis=-1)[..., :, None]
     if n == 1:
         return diag.reshape(*lead, C, C)
     # Sub-chunk i > j: split exp(G_t - G_s) at the last gate of sub-chunk j, G_ref, so both factors are <= 1.
@@ -173,6 +181,32 @@ def _pair_scores_channel(a, b, G, precision):
     blocks = jnp.where(eye, diag[..., :, None, :, :], off)  # off is already 0 for i < j
     blocks = jnp.swapaxes(blocks, -3, -2)  # [..., i, t, j, s]
     return blocks.reshape(*lead, C, C)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def log_decay_to_end(log_decay, axis):
+    """G_C - G_s = sum_{r > s} log_decay_r within each chunk (`axis` runs over the chunk's tokens), compensated.
+
+    The value is the part-by-part difference of the compensated cumsum. Its derivative is given directly as the
+    reverse exclusive cumsum: differentiating G_C - G_s instead sends +x to G_C and -x to G_s, which cancel for
+    every gate r <= s only to O(eps x); with e_s = exp(0) = 1 (s the last token, or the last real one before a
+    padded tail), that residue swamps d(log_decay) ~ exp(-20) when every gate is -20.
+    """
+    g = CumulativeLogDecay.of(log_decay, axis)
+    C = log_decay.shape[axis]
+    return g.map(lambda x: jax.lax.slice_in_dim(x, C - 1, C, axis=axis)).minus(g)
+
+
+@log_decay_to_end.defjvp
+def _log_decay_to_end_jvp(axis, primals, tangents):
+    (log_decay,), (tangent,) = primals, tangents
+    C = log_decay.shape[axis]
+    # sum_{r > s} tangent_r: a shifted reverse cumsum (never the inclusive one minus tangent, which would cancel).
+    after = jax.lax.slice_in_dim(tangent, 1, C, axis=axis)
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(after, axis), axis=axis), axis)
+    widths = [(0, 0)] * tangent.ndim
+    widths[axis] = (0, 1)
+    return log_decay_to_end(log_decay, axis), jnp.pad(suffix, widths)
 
 
 def _decay_to(log_decay_sum, like):
@@ -204,7 +238,8 @@ def chunk_factors(q, k, v, beta, log_decay, *, segment_ids, chunk_size):
     doc = _pad_time(document_index(segment_ids, B, T), pad, mode="edge")
 
     qc, kc, vc = (_to_chunks(x, N, C) for x in (q, k, v))
-    g = None if log_decay is None else CumulativeLogDecay.of(_to_chunks(log_decay, N, C), axis=3)
+    log_decay = None if log_decay is None else _to_chunks(log_decay, N, C)
+    g = None if log_decay is None else CumulativeLogDecay.of(log_decay, axis=3)
     doc = doc.reshape(B, 1, N, C)
     doc_before = jnp.concatenate([doc[:, :, :1, :1], doc[:, :, :-1, -1:]], axis=2)  # last doc of previous chunk
     carry = doc == doc_before  # [B, 1, N, C]
@@ -219,7 +254,7 @@ def chunk_factors(q, k, v, beta, log_decay, *, segment_ids, chunk_size):
     else:
         decay_from_start = _decay_to(g.total(), kc)  # exp(G_t)
         g_last = g.map(lambda x: x[:, :, :, -1:])
-        decay_to_end = _decay_to(g_last.minus(g), kc)  # exp(G_C - G_s) <= 1
+        decay_to_end = _decay_to(log_decay_to_end(log_decay, 3), kc)  # exp(G_C - G_s) <= 1
         gamma_end = jnp.exp(g_last.total()[:, :, :, 0])
         gamma_end = gamma_end[..., None] if gamma_end.ndim == 3 else gamma_end
     gamma_end = gamma_end * carry[..., -1:]  # the state survives the chunk only if no document starts in it

@@ -13,7 +13,9 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from deltajax.data import build_data, eval_batches, train_iterator
 from deltajax.nn import LanguageModel, flops_per_token
@@ -70,12 +72,15 @@ def evaluate(eval_step, state, eval_sets, sharding, is_bytes) -> dict:
 
 
 def train(config: TrainConfig, *, data=None, stop_after: Optional[int] = None,
-          log: Callable[[str], None] = print) -> dict:
+          time_budget_s: Optional[float] = None, log: Callable[[str], None] = print) -> dict:
     """Trains `config` (resuming from its run directory if it holds checkpoints); returns the last metrics.
 
     `data` overrides the sources built from `config.data`; `stop_after` ends the run after that step (saving a
-    checkpoint), as a preemption would.
+    checkpoint), as a preemption would. `time_budget_s` (wall seconds from the call) ends the run after the first
+    step that finishes past it, evaluating and saving there (the learning-rate schedule still runs to
+    `config.steps`); the returned metrics then hold `stopped_early: True`.
     """
+    called = time.perf_counter()
     config.validate()
     main = jax.process_index() == 0
     say = log if main else (lambda *_: None)
@@ -152,13 +157,22 @@ def train(config: TrainConfig, *, data=None, stop_after: Optional[int] = None,
 
     bar = ProgressBar(end, start, enabled=main and config.progress_bar, every=config.log_every)
     pending = None
+    out_of_time = False
     for step in range(start + 1, end + 1):
         local = next(iterator)
         state, metrics = train_step(state, parallel.global_batch(local, batch_sharding, config.batch_size))
         if pending is not None:
             record(*pending)  # the previous step, while this one runs
         pending = (step, metrics)
-        eval_now = step == config.steps or (config.eval_every and step % config.eval_every == 0)
+        if time_budget_s is not None and step < end:
+            out_of_time = time.perf_counter() - called >= time_budget_s
+            if jax.process_count() > 1:  # every process stops at the same step: process 0's clock decides
+                out_of_time = step % config.log_every == 0 and bool(
+                    multihost_utils.broadcast_one_to_all(np.asarray(out_of_time)))
+            if out_of_time:
+                end = step
+        eval_now = (step == config.steps or (config.eval_every and step % config.eval_every == 0)
+                    or out_of_time)
         save_now = step == end or checkpoints.should_save(step)
         if eval_now or save_now:
             record(*pending)
@@ -173,11 +187,15 @@ def train(config: TrainConfig, *, data=None, stop_after: Optional[int] = None,
             bar.close()
             say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
             clock.update(time=time.perf_counter(), step=step)
+        if out_of_time:
+            say(f"time budget of {time_budget_s:.0f} s spent: stopped at step {step} of {config.steps}")
+            summary["stopped_early"] = True
+            break
     bar.close()
     checkpoints.close()
     if start >= end and main:
         say(f"nothing to do: the run in {config.run_dir} is already at step {start}")
-    if end == config.steps and main:
+    if (end == config.steps or out_of_time) and main:
         records = read_records(metrics_log.path)
         plot_curves(records, os.path.join(config.run_dir, "loss.png"),
                     title=f"{config.model.layer_pattern} x{config.model.n_layers}, d={config.model.d_model}, "

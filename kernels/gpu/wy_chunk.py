@@ -1,27 +1,45 @@
 """Chunkwise WY form of the delta rule and linear attention (scalar or no decay) as Pallas Triton kernels.
 
-The math is `deltajax.rules.chunk` (see its docstring); per chunk of C tokens, with S_0 its start state, G the
-in-chunk cumulative log-decay, `carry`/`tail` the document masks and M the causal same-document mask:
+The math is `deltajax.rules.chunk` (see its docstring), rearranged so that the only per-chunk factor stored between
+kernels is the in-chunk inverse T. Per chunk of C tokens, with S_0 its start state, G the in-chunk cumulative
+log-decay, `carry`/`tail` the document masks and M the causal same-document mask:
 
     A      = diag(beta) (K K^T (.) exp(G_t - G_s), s < t, same document)                        (1)
-    T      = (I + A)^-1                      16x16 fp32 forward substitution + block merges      (2)
-    W      = T diag(beta carry exp(G)) K,    U0 = T diag(beta) V                                 (3)
-    u      = U0 - W S_0                                                                          (4)
+    T      = (I + A)^-1                      16x16 fp32 forward substitutions + exact block merges (2)
+    y      = V - diag(carry exp(G)) K S_0                                                        (3)
+    u      = T diag(beta) y                  (= U0 - W S_0 of the W/U0 form)                     (4)
     O      = scale [ diag(carry exp(G)) Q S_0 + (Q K^T (.) exp(G_t - G_s), M) u ]                 (5)
     S_end  = carry_C exp(G_C) S_0 + K_end^T u,   K_end = diag(tail exp(G_C - G)) K               (6)
 
-Linear attention is W = 0, U0 = V. Kernels, in the order they run:
+Linear attention is u = V. Kernels, in the order they run:
 
-- `_prepare_kernel`, grid (chunks, B*Hv): (1)-(3) for one chunk; writes W, U0 and (for the backward) T.
+- `_inverse_kernel`, grid (chunks, B*Hv): (1)-(2) for one chunk; writes T (C x C, fp32). `Config.inverse_method`:
+  "blocks16": the 10 SUB x SUB blocks of A from SUB x SUB x K dots, the 4 diagonal blocks inverted one after
+  another by forward substitution (4 x 15 serial steps), then T_ij = -T_ii sum_m A_im T_mj in SUB x SUB dots.
+  "batched16": A by halves of the chunk (three C/2 x C/2 x K dots), the 4 diagonal blocks inverted side by side
+  in one loop of 15 steps, merged 16 -> 32 inside each half and 32 -> 64 with C/2 x C/2 dots. Both are exact
+  (IEEE fp32 products, or for 16-bit inputs "batched16"'s exact 3-way bf16 splits); their H100 times are in
+  docs/kernels.md.
 - `_forward_kernel`, grid (V/BV, B*Hv): the sequential pass over chunks with the fp32 state block S[:, BV] in
-  registers, (4)-(6) fused, writes O and the final state (and, for the backward, every chunk's start state).
+  registers, (3)-(6) fused; writes O and the final state (and, for the backward, every chunk's start state).
 - `_reverse_kernel`, grid (V/BV, B*Hv): the sequential pass backwards, carrying dL/dS; writes every chunk's
   end-state cotangent and dL/d(initial_state).
-- `_grad_kernel`, grid (chunks, V/BV, B*Hv): everything else, chunk-parallel, from the saved start states and the
-  end-state cotangents; q/k/beta/log-gate gradients come out per V block and are summed in XLA.
+- The gradients, chunk-parallel, from the saved start states and end-state cotangents (`Config.grad_method`):
+  "fused": `_grad_kernel`, grid (K/BK, chunks, B*Hv), loops over V blocks inside the program so that dq, dk (a K
+  block of them), dbeta and d(log_decay) come out whole. "staged": `_grad_v_kernel`, grid (V/BV, chunks, B*Hv),
+  writes dv, u, dx and per-V-block partials of the C x C products; then `_grad_k_kernel`, grid (K/BK, chunks,
+  B*Hv), loops over V blocks for dq and dk and does the C x C terms. No program of "staged" holds more than two
+  C x BK accumulators.
+
+Precision. Products of two input-dtype operands (Q K^T, K K^T) are exact on the tensor cores. A product with an fp32
+operand (the state, T, P, u, ...) is done in one of four modes (`Config.dots` etc.): "highest" (IEEE fp32, for
+fp32 inputs), "tf32", "bf16" (operands rounded), or "split": each fp32 operand x is written as hi + lo with
+hi = bf16(x), lo = bf16(x - hi), and the product is summed from the bf16 dots hi*hi + hi*lo + lo*hi (two dots when
+the other operand is already bf16): ~2^-16 relative error per product at bf16 tensor-core speed.
 
 Key heads are indexed, never repeated: value head hv reads key head hv // (Hv // H). Cumulative gates, document
-masks and padding are computed in XLA; the reverse cumsum of dG (-> d log_decay) is left to autodiff of that cumsum.
+masks and padding are computed in XLA; d(log_decay) is written per token by the gradient kernels (`_dlog`), with
+per-block shares summed in XLA.
 """
 
 from __future__ import annotations
@@ -33,13 +51,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
+from deltajax.kernels.gpu.common import compiler_params as _params
+from deltajax.kernels.gpu.common import dot as _dot
+from deltajax.kernels.gpu.common import iota2 as _iota2
+from deltajax.kernels.gpu.common import last as _last
+from deltajax.rules.chunk import CumulativeLogDecay
 from deltajax.rules.common import document_index
 
 SUB = 16  # side of the diagonal blocks inverted by forward substitution
 F32 = jnp.float32
+BF16 = jnp.bfloat16
 HIGHEST = lax.Precision.HIGHEST
+GRAD_METHODS = ("fused", "staged")
+INVERSE_METHODS = ("blocks16", "batched16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,53 +75,35 @@ class Config:
     chunk_size: int
     key_heads: int
     value_heads: int
-    delta: bool  # False: linear attention (W = 0, U0 = V)
+    delta: bool  # False: linear attention (u = V)
     segmented: bool  # same-document masks inside the chunk are needed
-    dots: str  # forward dots with an fp32 operand: "highest" (IEEE fp32), "tf32", "bf16" (operands rounded)
-    grad_dots: str  # the same for the two backward kernels
+    dots: str  # forward products with an fp32 operand (`common.DOT_MODES`)
+    inverse_dots: str  # products with T, forward and backward
+    grad_dots: str  # the other products of the two backward kernels
     block_v: int  # BV of the sequential passes
-    grad_block_v: int  # BV of the gradient kernel
-    factor_dtype: str  # storage dtype of W and U0
-    warps: int
+    grad_block_v: int  # BV of the gradient kernels (the loop of "fused", both kernels of "staged")
+    grad_block_k: int  # BK of dq and dk (a grid axis of the gradient kernel that writes them; K: whole rows)
+    grad_method: str  # GRAD_METHODS: "fused" (one kernel) or "staged" (a V-block kernel, then a K-block kernel)
+    warps: int  # sequential passes
+    grad_warps: int  # gradient kernel ("fused"), the V-block kernel ("staged")
+    grad_k_warps: int  # the K-block kernel ("staged")
+    inverse_warps: int  # inverse kernel
+    inverse_method: str  # INVERSE_METHODS: how `_inverse_kernel` forms T (see there)
     stages: int
     interpret: bool
 
 
-def _params(warps, stages):
-    return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
-
-
-def _dot(a, b, *, ta=False, tb=False, precision=None):
-    """a @ b with optional transposes and fp32 accumulation.
-
-    `precision` is a `lax.Precision` or a `Config.dots` mode; with "bf16" both operands are rounded to bf16
-    (the tensor cores' fast path), otherwise mixed operands are promoted to fp32.
-    """
-    if precision == "bf16":
-        a, b, precision = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), None
-    elif isinstance(precision, str):
-        precision = HIGHEST if precision == "highest" else lax.Precision.DEFAULT
-    if a.dtype != b.dtype:
-        a, b = a.astype(F32), b.astype(F32)
-    if a.dtype != F32:
-        precision = None  # 16-bit operands: exact products, fp32 accumulation, no precision choice to make
-    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
-
-
-def _iota2(n, m, axis):
-    return lax.broadcasted_iota(jnp.int32, (n, m), axis)
-
-
-def _last(x):
-    """x[-1] of a 1-D value (value slicing does not lower on Triton)."""
-    n = x.shape[0]
-    return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (n,), 0) == n - 1, x, 0))
+def _gates(g_ref, rows=slice(None)):
+    """(hi, lo) of the compensated in-chunk cumulative gate G = hi + lo at `rows` (see `CumulativeLogDecay`)."""
+    return g_ref[0, rows], g_ref[1, rows]
 
 
 def _pair_decay(g_rows, g_cols, mask):
-    """exp(G_t - G_s) where `mask`, else 0; masked before the exp so it cannot overflow."""
-    return jnp.exp(jnp.where(mask, g_rows[:, None] - g_cols[None, :], -jnp.inf))
+    """exp(G_t - G_s) where `mask`, else 0; masked before the exp so it cannot overflow. The difference is taken
+    part by part, (hi_t - hi_s) + (lo_t - lo_s), so near-1 decays after a large gate keep their fp32 accuracy."""
+    (hi_r, lo_r), (hi_c, lo_c) = g_rows, g_cols
+    diff = (hi_r[:, None] - hi_c[None, :]) + (lo_r[:, None] - lo_c[None, :])
+    return jnp.exp(jnp.where(mask, diff, -jnp.inf))
 
 
 def _chunk_mask(doc, c, strict, segmented):
@@ -105,6 +112,14 @@ def _chunk_mask(doc, c, strict, segmented):
     if segmented:
         mask = mask & (doc[:, None] == doc[None, :])
     return mask
+
+
+def _chunk_scalars(g, carry, tail):
+    """exp(G) carry, exp(G_C - G) tail and the state's survival factor carry_C exp(G_C) of one chunk."""
+    hi, lo = g
+    hi_last, lo_last = _last(hi), _last(lo)
+    return (carry * jnp.exp(hi + lo), tail * jnp.exp((hi_last - hi) + (lo_last - lo)),
+            _last(carry) * jnp.exp(hi_last + lo_last))
 
 
 def _unit_lower_inverse(a):
@@ -124,19 +139,116 @@ def _unit_lower_inverse(a):
     return lax.fori_loop(1, n, step, jnp.where(row == col, 1.0, 0.0).astype(F32))
 
 
+def _block_diagonal_inverses(ats):
+    """(I + A)^-1 for each A of `ats`, given as A^T: n x n, block diagonal with strictly lower SUB x SUB blocks (zero
+    outside them). The forward substitutions of `_unit_lower_inverse` for all blocks of all matrices in one loop of
+    SUB - 1 steps.
+
+    Step i makes row i of every block final. With d[j] = A[b(j) SUB + i, j] (row i of the block of j), the update
+    of row b SUB + i at column c is w[c] = sum_j d[j] T[j, c]: T is block diagonal, so only the j of c's own block
+    contribute, and d is nonzero only for j before row i there, rows that are already final. d is a reduction of
+    A^T along axis 1 and w one along axis 0, so neither needs a layout change in the loop.
+    """
+    n = ats[0].shape[0]
+    row, col = _iota2(n, n, 0), _iota2(n, n, 1)
+    same_block = row // SUB == col // SUB
+    col_in_block, row_in_block = col % SUB, row % SUB
+
+    def step(i, ts):
+        out = []
+        for at, t in zip(ats, ts):
+            d = jnp.sum(jnp.where(col_in_block == i, at, 0.0), axis=1)  # d[j] = A[b(j) SUB + i, j]
+            w = jnp.sum(d[:, None] * t, axis=0)
+            out.append(t - jnp.where(same_block & (row_in_block == i), w[None, :], 0.0))
+        return tuple(out)
+
+    eye = jnp.where(row == col, 1.0, 0.0).astype(F32)
+    return lax.fori_loop(1, SUB, step, tuple(eye for _ in ats))
+
+
+def _split3(x):
+    """x = hi + mid + lo exactly (fp32 normal numbers) with three bf16 values."""
+    hi = x.astype(BF16)
+    r = x - hi.astype(F32)
+    mid = r.astype(BF16)
+    return hi, mid, (r - mid.astype(F32)).astype(BF16)
+
+
+def _exact_dot(a, b, fp32):
+    """a @ b of two fp32 values at about IEEE fp32 accuracy: IEEE fp32 for fp32 inputs (`fp32`), else six bf16
+    tensor-core dots of the exact 3-way splits (the dropped terms are below 2^-24 relative; "split" mode's
+    ~2^-17 per product gave 10x the error of IEEE fp32 in T with correlated keys and beta near 2)."""
+    if fp32:
+        return _dot(a, b, mode="highest")
+    raw = lambda x, y: lax.dot_general(x, y, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+    (a_hi, a_mid, a_lo), (b_hi, b_mid, b_lo) = _split3(a), _split3(b)
+    small = raw(a_hi, b_lo) + raw(a_mid, b_mid) + raw(a_lo, b_hi)
+    return (small + (raw(a_hi, b_mid) + raw(a_mid, b_hi))) + raw(a_hi, b_hi)
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# (1)-(3): chunk-parallel WY factors
+# (1)-(2): the in-chunk inverse, chunk-parallel
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _prepare_kernel(k_ref, v_ref, beta_ref, g_ref, doc_ref, carry_ref, w_ref, u_ref, *t_ref, cfg: Config):
+def _inverse_kernel(k_ref, beta_ref, g_ref, doc_ref, t_ref, *, cfg: Config):
+    if cfg.inverse_method == "blocks16":
+        _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_ref, cfg)
+    elif cfg.inverse_method == "batched16":
+        _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_ref, cfg)
+    else:
+        raise ValueError(f"inverse_method must be one of {INVERSE_METHODS}, got {cfg.inverse_method!r}")
+
+
+def _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_ref, cfg):
+    """T of eq. (2) by halves of the chunk (h = C/2 rows): A_11, A_22 and A_21 from three h x h x K dots, the 2h/SUB
+    diagonal SUB-blocks of both halves inverted side by side (`_block_diagonal_inverses`, SUB - 1 serial steps in
+    all), merged inside each half, then T_21 = -T_22 A_21 T_11. All products of the merges are exact (`_exact_dot`).
+
+    Merge of diagonal blocks of side n into blocks of side 2n: with T_d the inverse of the n-blocks and A_off the
+    part of A inside the 2n-blocks but outside the n-blocks, T_2n = T_d - T_d A_off T_d (for
+    [[I + A_11, 0], [A_21, I + A_22]] the inverse is [[T_1, 0], [-T_2 A_21 T_1, T_2]]). The zero blocks of the
+    operands are exact zeros, so the n-blocks of T_d pass through unchanged.
+    """
+    h = cfg.chunk_size // 2
+    halves = (pl.ds(0, h), pl.ds(h, h))
+    k = [k_ref[rows, :] for rows in halves]
+    beta = [beta_ref[rows] for rows in halves]
+    g = [_gates(g_ref, rows) for rows in halves]
+    doc = [doc_ref[rows] for rows in halves]
+    fp32 = k_ref.dtype == F32
+    row, col = _iota2(h, h, 0), _iota2(h, h, 1)
+
+    def block(i, j):
+        mask = row > col if i == j else row >= 0
+        if cfg.segmented:
+            mask = mask & (doc[i][:, None] == doc[j][None, :])
+        return beta[i][:, None] * _dot(k[i], k[j], tb=True) * _pair_decay(g[i], g[j], mask)
+
+    diagonal = (block(0, 0), block(1, 1))
+    same_block = row // SUB == col // SUB
+    t = list(_block_diagonal_inverses(tuple(jnp.where(same_block, a.T, 0.0) for a in diagonal)))
+    n = SUB
+    while n < h:
+        inside = (row // (2 * n) == col // (2 * n)) & (row // n != col // n)
+        for i, a in enumerate(diagonal):
+            t[i] = t[i] - _exact_dot(t[i], _exact_dot(jnp.where(inside, a, 0.0), t[i], fp32), fp32)
+        n *= 2
+    t_ref[halves[0], halves[0]] = t[0]
+    t_ref[halves[1], halves[1]] = t[1]
+    t_ref[halves[1], halves[0]] = -_exact_dot(t[1], _exact_dot(block(1, 0), t[0], fp32), fp32)
+    t_ref[halves[0], halves[1]] = jnp.zeros((h, h), F32)
+
+
+def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_ref, cfg):
+    """T of eq. (2) block by block: 10 SUB x SUB x K dots for the blocks of A, the 4 diagonal blocks inverted one
+    after another (`_unit_lower_inverse`), then T_ij = -T_ii sum_m A_im T_mj with SUB x SUB dots at IEEE fp32."""
     nb = cfg.chunk_size // SUB
     blocks = [slice(i * SUB, (i + 1) * SUB) for i in range(nb)]
     k = [k_ref[b, :] for b in blocks]
     beta = [beta_ref[b] for b in blocks]
-    g = [g_ref[b] for b in blocks]
+    g = [_gates(g_ref, b) for b in blocks]
     doc = [doc_ref[b] for b in blocks]
-    carry = [carry_ref[b] for b in blocks]
     row, col = _iota2(SUB, SUB, 0), _iota2(SUB, SUB, 1)
 
     a = {}
@@ -145,69 +257,62 @@ def _prepare_kernel(k_ref, v_ref, beta_ref, g_ref, doc_ref, carry_ref, w_ref, u_
             mask = row > col if i == j else row >= 0
             if cfg.segmented:
                 mask = mask & (doc[i][:, None] == doc[j][None, :])
-            a[i, j] = beta[i][:, None] * _dot(k[i], k[j], tb=True, precision=HIGHEST) * _pair_decay(g[i], g[j], mask)
+            a[i, j] = beta[i][:, None] * _dot(k[i], k[j], tb=True) * _pair_decay(g[i], g[j], mask)
     t = {(i, i): _unit_lower_inverse(a[i, i]) for i in range(nb)}
     for d in range(1, nb):  # T_ij = -T_ii sum_{j <= m < i} A_im T_mj, all at IEEE fp32
         for i in range(d, nb):
             j = i - d
-            acc = _dot(a[i, j], t[j, j], precision=HIGHEST)
+            acc = _dot(a[i, j], t[j, j])
             for m in range(j + 1, i):
-                acc = acc + _dot(a[i, m], t[m, j], precision=HIGHEST)
-            t[i, j] = -_dot(t[i, i], acc, precision=HIGHEST)
-
-    rhs_w = [k[j].astype(F32) * (beta[j] * carry[j] * jnp.exp(g[j]))[:, None] for j in range(nb)]
-    rhs_u = [v_ref[blocks[j], :].astype(F32) * beta[j][:, None] for j in range(nb)]
+                acc = acc + _dot(a[i, m], t[m, j])
+            t[i, j] = -_dot(t[i, i], acc)
     for i in range(nb):
-        w = sum(_dot(t[i, j], rhs_w[j], precision=cfg.dots) for j in range(i + 1))
-        u = sum(_dot(t[i, j], rhs_u[j], precision=cfg.dots) for j in range(i + 1))
-        w_ref[blocks[i], :] = w.astype(w_ref.dtype)
-        u_ref[blocks[i], :] = u.astype(u_ref.dtype)
-        if t_ref:
-            for j in range(nb):
-                t_ref[0][blocks[i], blocks[j]] = t[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
+        for j in range(nb):
+            t_ref[blocks[i], blocks[j]] = t[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
 
 
-def _prepare(cfg, k, v, beta, g, doc, carry, *, with_t):
+def _inverse(cfg, k, beta, g, doc):
     B, Tp, H, K = k.shape
-    Hv, V = v.shape[2], v.shape[3]
-    C, G = cfg.chunk_size, Hv // H
-    nt = Tp // C
-    head = lambda t, bh: (bh // Hv, t, bh % Hv, 0)
+    Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
     key = lambda t, bh: (bh // Hv, t, (bh % Hv) // G, 0)
+    head = lambda t, bh: (bh // Hv, t, bh % Hv, 0)
     gate = lambda t, bh: (bh // Hv, t, bh % Hv)
     seq = lambda t, bh: (bh // Hv, t)
-    fdt = jnp.dtype(cfg.factor_dtype)
-    out_shape = [jax.ShapeDtypeStruct((B, Tp, Hv, K), fdt), jax.ShapeDtypeStruct((B, Tp, Hv, V), fdt)]
-    out_specs = [pl.BlockSpec((None, C, None, K), head), pl.BlockSpec((None, C, None, V), head)]
-    if with_t:
-        out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, C), F32))
-        out_specs.append(pl.BlockSpec((None, C, None, C), head))
     return pl.pallas_call(
-        functools.partial(_prepare_kernel, cfg=cfg),
-        grid=(nt, B * Hv),
-        in_specs=[pl.BlockSpec((None, C, None, K), key), pl.BlockSpec((None, C, None, V), head),
-                  pl.BlockSpec((None, C, None), gate), pl.BlockSpec((None, C, None), gate),
-                  pl.BlockSpec((None, C), seq), pl.BlockSpec((None, C), seq)],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_params(4, 2),
+        functools.partial(_inverse_kernel, cfg=cfg),
+        grid=(Tp // C, B * Hv),
+        in_specs=[pl.BlockSpec((None, C, None, K), key), pl.BlockSpec((None, C, None), gate),
+                  pl.BlockSpec((2, None, C, None), lambda t, bh: (0,) + gate(t, bh)), pl.BlockSpec((None, C), seq)],
+        out_specs=pl.BlockSpec((None, C, None, C), head),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, C), F32),
+        compiler_params=_params(cfg.inverse_warps, cfg.stages),
         interpret=cfg.interpret,
-        name="wy_prepare",
-    )(k, v, beta, g, doc, carry)
+        name="wy_inverse",
+    )(k, beta, g, doc)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# (4)-(6): the sequential forward pass over chunks, output fused
+# (3)-(6): the sequential forward pass over chunks, output fused
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _chunk_scalars(g, carry, tail):
-    """exp(G) carry, exp(G_C - G) tail and the state's survival factor carry_C exp(G_C) of one chunk."""
-    g_last = _last(g)
-    return carry * jnp.exp(g), tail * jnp.exp(g_last - g), _last(carry) * jnp.exp(g_last)
+def _sequence_specs(cfg, Tp, K, BV):
+    """BlockSpecs of the sequential passes (grid (V/BV, B*Hv)): whole sequences of one head, V block j."""
+    Hv, G = cfg.value_heads, cfg.value_heads // cfg.key_heads
+    return dict(
+        key=pl.BlockSpec((None, Tp, None, K), lambda j, bh: (bh // Hv, 0, (bh % Hv) // G, 0)),
+        value=pl.BlockSpec((None, Tp, None, BV), lambda j, bh: (bh // Hv, 0, bh % Hv, j)),
+        # Linear attention reads no T: k stands in for it (see `_inverse_or_none`).
+        inverse=(pl.BlockSpec((None, Tp, None, cfg.chunk_size), lambda j, bh: (bh // Hv, 0, bh % Hv, 0))
+                 if cfg.delta else pl.BlockSpec((None, Tp, None, K), lambda j, bh: (bh // Hv, 0, (bh % Hv) // G, 0))),
+        gate=pl.BlockSpec((None, Tp, None), lambda j, bh: (bh // Hv, 0, bh % Hv)),
+        gates=pl.BlockSpec((2, None, Tp, None), lambda j, bh: (0, bh // Hv, 0, bh % Hv)),  # G as (hi, lo)
+        seq=pl.BlockSpec((None, Tp), lambda j, bh: (bh // Hv, 0)),
+        state=pl.BlockSpec((None, None, K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
+    )
 
 
-def _forward_kernel(q_ref, k_ref, w_ref, u0_ref, g_ref, doc_ref, carry_ref, tail_ref, h0_ref,
+def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, tail_ref, h0_ref,
                     o_ref, final_ref, *states_ref, cfg: Config, nt: int):
     C = cfg.chunk_size
     K = q_ref.shape[-1]
@@ -217,51 +322,44 @@ def _forward_kernel(q_ref, k_ref, w_ref, u0_ref, g_ref, doc_ref, carry_ref, tail
         rows = pl.ds(pl.multiple_of(i * C, C), C)
         if states_ref:
             states_ref[0][pl.ds(pl.multiple_of(i * K, K), K), :] = s
-        q, k, g = q_ref[rows, :], k_ref[rows, :], g_ref[rows]
+        q, k, g = q_ref[rows, :], k_ref[rows, :], _gates(g_ref, rows)
         from_start, to_end, survive = _chunk_scalars(g, carry_ref[rows], tail_ref[rows])
         mask = _chunk_mask(doc_ref[rows], C, strict=False, segmented=cfg.segmented)
-        p = _dot(q, k, tb=True, precision=HIGHEST) * _pair_decay(g, g, mask)
-        u = u0_ref[rows, :].astype(F32)
+        p = _dot(q, k, tb=True, mode=cfg.dots) * _pair_decay(g, g, mask)
+        u = v_ref[rows, :].astype(F32)
         if cfg.delta:
-            u = u - _dot(w_ref[rows, :].astype(F32), s, precision=cfg.dots)
+            y = u - from_start[:, None] * _dot(k, s, mode=cfg.dots)
+            u = _dot(t_ref[rows, :], beta_ref[rows][:, None] * y, mode=cfg.inverse_dots)
         # Diagonal scales go on the fp32 side of each dot so that q and k enter the tensor cores unrounded.
-        o = cfg.scale * (from_start[:, None] * _dot(q, s, precision=cfg.dots) + _dot(p, u, precision=cfg.dots))
+        o = cfg.scale * (from_start[:, None] * _dot(q, s, mode=cfg.dots) + _dot(p, u, mode=cfg.dots))
         o_ref[rows, :] = o.astype(o_ref.dtype)
-        return survive * s + _dot(k, to_end[:, None] * u, ta=True, precision=cfg.dots)
+        return survive * s + _dot(k, to_end[:, None] * u, ta=True, mode=cfg.dots)
 
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
 
 
-def _forward_pass(cfg, q, k, w, u0, g, doc, carry, tail, h0, *, with_states):
+def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states):
     B, Tp, H, K = q.shape
-    Hv, V = u0.shape[2], u0.shape[3]
-    C, G, BV = cfg.chunk_size, Hv // H, min(cfg.block_v, V)
-    nt = Tp // C
-    key = lambda j, bh: (bh // Hv, 0, (bh % Hv) // G, 0)
-    head_k = lambda j, bh: (bh // Hv, 0, bh % Hv, 0)
-    head_v = lambda j, bh: (bh // Hv, 0, bh % Hv, j)
-    gate = lambda j, bh: (bh // Hv, 0, bh % Hv)
-    seq = lambda j, bh: (bh // Hv, 0)
-    state = lambda j, bh: (bh // Hv, bh % Hv, 0, j)
-    seq_spec = pl.BlockSpec((None, Tp), seq)
-    out_shape = [jax.ShapeDtypeStruct((B, Tp, Hv, V), q.dtype), jax.ShapeDtypeStruct((B, Hv, K, V), F32)]
-    out_specs = [pl.BlockSpec((None, Tp, None, BV), head_v), pl.BlockSpec((None, None, K, BV), state)]
+    Hv, V = v.shape[2], v.shape[3]
+    BV = min(cfg.block_v, V)
+    nt = Tp // cfg.chunk_size
+    sp = _sequence_specs(cfg, Tp, K, BV)
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), jax.ShapeDtypeStruct((B, Hv, K, V), F32)]
+    out_specs = [sp["value"], sp["state"]]
     if with_states:
         out_shape.append(jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32))
-        out_specs.append(pl.BlockSpec((None, None, nt * K, BV), state))
-    w_spec = pl.BlockSpec((None, Tp, None, K), head_k if cfg.delta else key)  # linear attention: w is k, unread
+        out_specs.append(pl.BlockSpec((None, None, nt * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)))
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
-        in_specs=[pl.BlockSpec((None, Tp, None, K), key), pl.BlockSpec((None, Tp, None, K), key), w_spec,
-                  pl.BlockSpec((None, Tp, None, BV), head_v), pl.BlockSpec((None, Tp, None), gate),
-                  seq_spec, seq_spec, seq_spec, pl.BlockSpec((None, None, K, BV), state)],
+        in_specs=[sp["key"], sp["key"], sp["value"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], sp["seq"],
+                  sp["seq"], sp["state"]],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_params(cfg.warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_forward",
-    )(q, k, w, u0, g, doc, carry, tail, h0)
+    )(q, k, v, beta, t, g, doc, carry, tail, h0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -269,7 +367,7 @@ def _forward_pass(cfg, q, k, w, u0, g, doc, carry, tail, h0, *, with_states):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _reverse_kernel(q_ref, k_ref, w_ref, g_ref, doc_ref, carry_ref, tail_ref, do_ref, dfinal_ref,
+def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, tail_ref, do_ref, dfinal_ref,
                     dh0_ref, dends_ref, *, cfg: Config, nt: int):
     C = cfg.chunk_size
     K = q_ref.shape[-1]
@@ -279,146 +377,358 @@ def _reverse_kernel(q_ref, k_ref, w_ref, g_ref, doc_ref, carry_ref, tail_ref, do
         i = nt - 1 - n
         rows = pl.ds(pl.multiple_of(i * C, C), C)
         dends_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = ds
-        q, k, g = q_ref[rows, :], k_ref[rows, :], g_ref[rows]
+        q, k, g = q_ref[rows, :], k_ref[rows, :], _gates(g_ref, rows)
         from_start, to_end, survive = _chunk_scalars(g, carry_ref[rows], tail_ref[rows])
-        mask = _chunk_mask(doc_ref[rows], C, strict=False, segmented=cfg.segmented)
-        p = _dot(q, k, tb=True, precision=HIGHEST) * _pair_decay(g, g, mask)
-        do = do_ref[rows, :].astype(F32)
-        ds_start = survive * ds + cfg.scale * _dot(q, from_start[:, None] * do, ta=True, precision=cfg.grad_dots)
+        do = do_ref[rows, :]
+        ds_start = survive * ds + cfg.scale * _dot(q, from_start[:, None] * do.astype(F32), ta=True,
+                                                   mode=cfg.grad_dots)
         if cfg.delta:
-            du = (cfg.scale * _dot(p, do, ta=True, precision=cfg.grad_dots)
-                  + to_end[:, None] * _dot(k, ds, precision=cfg.grad_dots))
-            ds_start = ds_start - _dot(w_ref[rows, :].astype(F32), du, ta=True, precision=cfg.grad_dots)
+            mask = _chunk_mask(doc_ref[rows], C, strict=False, segmented=cfg.segmented)
+            p = _dot(q, k, tb=True, mode=cfg.grad_dots) * _pair_decay(g, g, mask)
+            du = cfg.scale * _dot(p, do, ta=True, mode=cfg.grad_dots) + to_end[:, None] * _dot(k, ds, mode=cfg.grad_dots)
+            dx = _dot(t_ref[rows, :], du, ta=True, mode=cfg.inverse_dots)  # dL/d(beta y) of eq. (4)
+            dks = -(beta_ref[rows] * from_start)[:, None] * dx  # dL/d(K S_0) of eq. (3)
+            ds_start = ds_start + _dot(k, dks, ta=True, mode=cfg.grad_dots)
         return ds_start
 
     dh0_ref[...] = lax.fori_loop(0, nt, chunk, dfinal_ref[...])
 
 
-def _reverse_pass(cfg, q, k, w, g, doc, carry, tail, do, dfinal):
+def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal):
     B, Tp, H, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
-    C, G, BV = cfg.chunk_size, Hv // H, min(cfg.block_v, V)
-    nt = Tp // C
-    key = lambda j, bh: (bh // Hv, 0, (bh % Hv) // G, 0)
-    head_k = lambda j, bh: (bh // Hv, 0, bh % Hv, 0)
-    head_v = lambda j, bh: (bh // Hv, 0, bh % Hv, j)
-    gate = lambda j, bh: (bh // Hv, 0, bh % Hv)
-    seq = lambda j, bh: (bh // Hv, 0)
-    state = lambda j, bh: (bh // Hv, bh % Hv, 0, j)
-    seq_spec = pl.BlockSpec((None, Tp), seq)
+    BV = min(cfg.block_v, V)
+    nt = Tp // cfg.chunk_size
+    sp = _sequence_specs(cfg, Tp, K, BV)
     return pl.pallas_call(
         functools.partial(_reverse_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
-        in_specs=[pl.BlockSpec((None, Tp, None, K), key), pl.BlockSpec((None, Tp, None, K), key),
-                  pl.BlockSpec((None, Tp, None, K), head_k if cfg.delta else key),
-                  pl.BlockSpec((None, Tp, None), gate),
-                  seq_spec, seq_spec, seq_spec, pl.BlockSpec((None, Tp, None, BV), head_v),
-                  pl.BlockSpec((None, None, K, BV), state)],
-        out_specs=[pl.BlockSpec((None, None, K, BV), state), pl.BlockSpec((None, None, nt * K, BV), state)],
+        in_specs=[sp["key"], sp["key"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], sp["seq"], sp["seq"],
+                  sp["value"], sp["state"]],
+        out_specs=[sp["state"], pl.BlockSpec((None, None, nt * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j))],
         out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32)],
         compiler_params=_params(cfg.warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_reverse",
-    )(q, k, w, g, doc, carry, tail, do, dfinal)
+    )(q, k, beta, t, g, doc, carry, tail, do, dfinal)
 
 
-def _grad_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, doc_ref, carry_ref, tail_ref, t_ref, w_ref, u0_ref,
-                 s0_ref, dend_ref, do_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref, *, cfg: Config):
-    """Gradients of one chunk for one V block; dq, dk, dbeta, dg are this block's share (summed over blocks)."""
+def _grad_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, tail_ref, s0_ref, dend_ref,
+                 do_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dlog_ref, *, cfg: Config):
+    """All gradients of one chunk ("fused"): a loop over V blocks accumulates the V-contractions, then the C x C terms.
+
+    Grid (K/BK, chunks, B*Hv). With BK < K every K block recomputes the V-local terms; its dq and dk columns are its
+    own, and its block 0 alone writes dv, dbeta and the K-independent part of d(log_decay) (dbeta and d(log_decay)
+    are written per K block and summed in XLA).
+    """
     C = cfg.chunk_size
-    prec = cfg.grad_dots
-    q, k, g = q_ref[...], k_ref[...], g_ref[...]
-    qf, kf = q.astype(F32), k.astype(F32)
+    K, V = k_ref.shape[-1], v_ref.shape[-1]
+    BV = min(cfg.grad_block_v, V)
+    BK = dq_ref.shape[-1]
+    whole = BK == K
+    first = pl.program_id(0) == 0
+    kcols = pl.ds(pl.multiple_of(pl.program_id(0) * BK, BK), BK)
+    mode = cfg.grad_dots
+    q, k, g = q_ref[...], k_ref[...], _gates(g_ref)
     from_start, to_end, survive = _chunk_scalars(g, carry_ref[...], tail_ref[...])
     doc = doc_ref[...]
     mask = _chunk_mask(doc, C, strict=False, segmented=cfg.segmented)
+    strict = _chunk_mask(doc, C, strict=True, segmented=cfg.segmented)
     decay = _pair_decay(g, g, mask)
-    qk = _dot(q, k, tb=True, precision=HIGHEST)
+    qk = _dot(q, k, tb=True, mode=mode)
     p = qk * decay
-    s0, dend = s0_ref[...], dend_ref[...]
+    beta = beta_ref[...]
+    t = t_ref[...] if cfg.delta else None
+
+    def write_dv(cols, value):
+        if whole:
+            dv_ref[:, cols] = value.astype(dv_ref.dtype)
+        else:
+            @pl.when(first)
+            def _():
+                dv_ref[:, cols] = value.astype(dv_ref.dtype)
+
+    def v_block(j, acc):
+        dq_acc, dk_acc, dp_acc, da_acc, dbeta_acc, dg_acc, end_acc, survive_acc = acc
+        cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
+        s0, dend, do = s0_ref[:, cols], dend_ref[:, cols], do_ref[:, cols]
+        s0_k, dend_k = (s0, dend) if whole else (s0_ref[kcols, cols], dend_ref[kcols, cols])  # this K block's rows
+        kd = _dot(k, dend, mode=mode)  # K dS_end
+        du = cfg.scale * _dot(p, do, ta=True, mode=mode) + to_end[:, None] * kd
+        u = v_ref[:, cols].astype(F32)
+        if cfg.delta:
+            ks = _dot(k, s0, mode=mode)
+            y = u - from_start[:, None] * ks
+            u = _dot(t, beta[:, None] * y, mode=cfg.inverse_dots)
+            dx = _dot(t, du, ta=True, mode=cfg.inverse_dots)
+            write_dv(cols, beta[:, None] * dx)
+            dks = -(beta * from_start)[:, None] * dx
+            da_acc = da_acc - _dot(dx, u, tb=True, mode=mode)  # dA = -T^T du (T beta y)^T
+            dbeta_acc = dbeta_acc + jnp.sum(dx * y, axis=1)
+            dg_acc = dg_acc + jnp.sum(dks * ks, axis=1)  # through carry exp(G) in eq. (3)
+            dk_acc = dk_acc + _dot(dks, s0_k, tb=True, mode=mode)
+        else:
+            write_dv(cols, du)
+        dp_acc = dp_acc + _dot(do, u, tb=True, mode=mode)
+        dk_acc = dk_acc + _dot(to_end[:, None] * u, dend_k, tb=True, mode=mode)
+        end_acc = end_acc + to_end * jnp.sum(u * kd, axis=1)  # e_i = dL/d log(token i's end factor)
+        dq_acc = dq_acc + _dot(do, s0_k, tb=True, mode=mode)
+        survive_acc = survive_acc + jnp.sum(s0_k * dend_k)
+        return dq_acc, dk_acc, dp_acc, da_acc, dbeta_acc, dg_acc, end_acc, survive_acc
+
+    zeros = lambda *shape: jnp.zeros(shape, F32)
+    acc = (zeros(C, BK), zeros(C, BK), zeros(C, C), zeros(C, C), zeros(C), zeros(C), zeros(C), jnp.float32(0.0))
+    dq_acc, dk_acc, dp_acc, da_acc, dbeta_acc, dg, end_acc, survive_acc = lax.fori_loop(0, V // BV, v_block, acc)
+
+    q_k, k_k = (q, k) if whole else (q_ref[:, kcols], k_ref[:, kcols])
+    dq_state = cfg.scale * from_start[:, None] * dq_acc
+    dp = cfg.scale * dp_acc * decay  # dL/d(Q K^T) of eq. (5)
+    dq = dq_state + _dot(dp, k_k, mode=mode)
+    dk = dk_acc + _dot(dp, q_k, ta=True, mode=mode)
+    z = jnp.where(strict, dp * qk, 0.0)
+    shared = dg + jnp.sum(z, axis=1) - jnp.sum(z, axis=0)  # the K-independent terms of dL/dG
+    if cfg.delta:
+        decay_strict = jnp.where(strict, decay, 0.0)
+        kk = _dot(k, k, tb=True, mode=mode)
+        da = jnp.where(strict, da_acc, 0.0)
+        dbeta = dbeta_acc + jnp.sum(da * kk * decay_strict, axis=1)
+        dbeta_ref[...] = dbeta if whole else jnp.where(first, dbeta, 0.0)
+        da_k = da * decay_strict * beta[:, None]  # dL/d(k_t . k_s)
+        dk = dk + _dot(da_k, k_k, mode=mode) + _dot(da_k, k_k, ta=True, mode=mode)
+        za = da_k * kk  # dA (.) A
+        shared = shared + jnp.sum(za, axis=1) - jnp.sum(za, axis=0)
+    dlog_ref[...] = _dlog(jnp.sum(dq_state * q_k.astype(F32), axis=1), shared, end_acc, survive * survive_acc,
+                          None if whole else first)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+
+
+def _dlog(local, shared, end, survive_term, first):
+    """d(log_decay) per token from dL/dG's terms: `local` + `shared` (summed from each position on), the end terms.
+
+    Gate gradient, written per token as d(log_decay) (the in-chunk reverse cumsum of dL/dG), never as dL/dG.
+    The end factor exp(G_C - G_i) of token i adds -e_i at G_i and +e_i at G_C: summed over positions >= t that
+    is e_i for i < t and an exact 0 otherwise, so it enters as an exclusive prefix sum. Through dL/dG it would be
+    a large +e_i and -e_i cancelling in fp32 (e_i is O(1) for the tokens before zero-decay padding, while the
+    true gradient can be e^-20-small). Diagonal pairs (exp(0) = 1 exactly) depend on no gate and are left out.
+    With `first` (a traced bool: this program is K block 0 of several), `shared` and the end terms count only
+    there; `local` and `survive_term` are this K block's share.
+    """
+    if first is not None:
+        shared = jnp.where(first, shared, 0.0)
+        end = jnp.where(first, end, 0.0)
+    local = local + shared
+    C = local.shape[0]
+    row, col = _iota2(C, C, 0), _iota2(C, C, 1)
+    from_here = jnp.sum(jnp.where(col >= row, local[None, :], 0.0), axis=1)
+    ended_before = jnp.sum(jnp.where(col < row, end[None, :], 0.0), axis=1)
+    return from_here + ended_before + survive_term
+
+
+def _grad_v_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, tail_ref, s0_ref, dend_ref,
+                   do_ref, dv_ref, dp_ref, end_ref, *delta_refs, cfg: Config):
+    """"staged", part 1: one chunk and one V block, grid (V/BV, chunks, B*Hv); no loop, no accumulator.
+
+    The terms whose contractions run over K or C: du, u, dx and dv; and the V block's shares of the V-contractions
+    that end in C x C or per-token values (dO u^T, dx u^T, the dbeta, dG and end sums), written per V block.
+    Delta rule: also u and dx (fp32) for part 2.
+    """
+    C = cfg.chunk_size
+    mode = cfg.grad_dots
+    q, k, g = q_ref[...], k_ref[...], _gates(g_ref)
+    from_start, to_end, _ = _chunk_scalars(g, carry_ref[...], tail_ref[...])
+    mask = _chunk_mask(doc_ref[...], C, strict=False, segmented=cfg.segmented)
+    p = _dot(q, k, tb=True, mode=mode) * _pair_decay(g, g, mask)
     do = do_ref[...]
-    k_end = kf * to_end[:, None]
-    u0 = u0_ref[...].astype(F32)
+    kd = _dot(k, dend_ref[...], mode=mode)  # K dS_end
+    du = cfg.scale * _dot(p, do, ta=True, mode=mode) + to_end[:, None] * kd
+    u = v_ref[...].astype(F32)
     if cfg.delta:
-        w = w_ref[...].astype(F32)
-        u = u0 - _dot(w, s0, precision=prec)
-    else:
-        u = u0
-    du = cfg.scale * _dot(p, do, ta=True, precision=prec) + to_end[:, None] * _dot(k, dend, precision=prec)
-    dp = cfg.scale * _dot(do, u, tb=True, precision=prec)  # dL/dP of eq. (5), before the mask
-    dp_decay = dp * decay
-    dq_inter = cfg.scale * _dot(do, s0, tb=True, precision=prec) * from_start[:, None]
-    dq = dq_inter + _dot(dp_decay, k, precision=prec)
-    dk_end = _dot(u, dend, tb=True, precision=prec)
-    dk = _dot(dp_decay, q, ta=True, precision=prec) + dk_end * to_end[:, None]
-    z = dp * p
-    end_terms = jnp.sum(dk_end * k_end, axis=1)
-    dg = jnp.sum(dq_inter * qf, axis=1) + jnp.sum(z, axis=1) - jnp.sum(z, axis=0) - end_terms
-    dg_last = jnp.sum(end_terms) + survive * jnp.sum(s0 * dend)
-    if cfg.delta:
+        u_ref, dx_ref, da_ref, dbeta_ref, dg_ref = delta_refs
         beta = beta_ref[...]
         t = t_ref[...]
-        dw = -_dot(du, s0, tb=True, precision=prec)
-        drhs_w = _dot(t, dw, ta=True, precision=prec)
-        drhs_u = _dot(t, du, ta=True, precision=prec)
-        strict = _chunk_mask(doc, C, strict=True, segmented=cfg.segmented)
-        decay_strict = _pair_decay(g, g, strict)
-        kk = _dot(k, k, tb=True, precision=HIGHEST)
-        da = -(_dot(drhs_u, u0, tb=True, precision=prec) + _dot(drhs_w, w, tb=True, precision=prec))
-        da = jnp.where(strict, da, 0.0)
-        kk_decay = kk * decay_strict
-        w_scale = beta * from_start
-        dbeta = (jnp.sum(da * kk_decay, axis=1) + jnp.sum(drhs_u * v_ref[...].astype(F32), axis=1)
-                 + jnp.sum(drhs_w * kf * from_start[:, None], axis=1))
-        da_k = da * decay_strict * beta[:, None]  # dL/d(k_t . k_s)
-        dk = dk + _dot(da_k, k, precision=prec) + _dot(da_k, k, ta=True, precision=prec) + drhs_w * w_scale[:, None]
-        dv = drhs_u * beta[:, None]
-        za = da_k * kk  # dA (.) A
-        dg = dg + jnp.sum(za, axis=1) - jnp.sum(za, axis=0) + jnp.sum(drhs_w * kf * w_scale[:, None], axis=1)
-        dbeta_ref[...] = dbeta
+        ks = _dot(k, s0_ref[...], mode=mode)
+        y = u - from_start[:, None] * ks
+        u = _dot(t, beta[:, None] * y, mode=cfg.inverse_dots)
+        dx = _dot(t, du, ta=True, mode=cfg.inverse_dots)
+        dv_ref[...] = (beta[:, None] * dx).astype(dv_ref.dtype)
+        u_ref[...] = u
+        dx_ref[...] = dx
+        da_ref[...] = -_dot(dx, u, tb=True, mode=mode)  # dA = -T^T du (T beta y)^T
+        dbeta_ref[...] = jnp.sum(dx * y, axis=1)
+        dks = -(beta * from_start)[:, None] * dx
+        dg_ref[...] = jnp.sum(dks * ks, axis=1)  # through carry exp(G) in eq. (3)
     else:
-        dv = du
-    last = lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1
-    dg_ref[...] = dg + jnp.where(last, dg_last, 0.0)
-    dq_ref[...] = dq
-    dk_ref[...] = dk
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+        dv_ref[...] = du.astype(dv_ref.dtype)
+    dp_ref[...] = _dot(do, u, tb=True, mode=mode)
+    end_ref[...] = to_end * jnp.sum(u * kd, axis=1)  # e_i = dL/d log(token i's end factor)
 
 
-def _grads(cfg, q, k, v, beta, g, doc, carry, tail, t, w, u0, starts, dends, do):
+def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tail_ref, s0_ref, dend_ref, do_ref,
+                   dp_ref, end_ref, *refs, cfg: Config, nv: int):
+    """"staged", part 2: one chunk and one K block of dq and dk, grid (K/BK, chunks, B*Hv).
+
+    A loop over V blocks accumulates the state terms of dq and dk (C x BK); then the C x C terms from part 1's
+    partial products. `u_ref` is u from part 1 (delta rule) or v. Every K block writes its share of d(log_decay);
+    block 0 alone adds the K-independent terms and writes dbeta (both summed over K blocks in XLA).
+    """
+    if cfg.delta:
+        dx_ref, da_ref, dbeta_part_ref, dg_ref, dq_ref, dk_ref, dbeta_ref, dlog_ref = refs
+    else:
+        dq_ref, dk_ref, dlog_ref = refs
+    C = cfg.chunk_size
+    V = do_ref.shape[-1]
+    BV = min(cfg.grad_block_v, V)
+    BK = dq_ref.shape[-1]
+    first = pl.program_id(0) == 0
+    kcols = pl.ds(pl.multiple_of(pl.program_id(0) * BK, BK), BK)
+    mode = cfg.grad_dots
+    g = _gates(g_ref)
+    from_start, to_end, survive = _chunk_scalars(g, carry_ref[...], tail_ref[...])
+    beta = beta_ref[...]
+
+    def v_block(j, acc):
+        dq_acc, dk_acc, survive_acc = acc
+        cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
+        s0, dend, do = s0_ref[:, cols], dend_ref[:, cols], do_ref[:, cols]  # s0, dend: this K block's rows
+        if cfg.delta:
+            dks = -(beta * from_start)[:, None] * dx_ref[:, cols]
+            dk_acc = dk_acc + _dot(dks, s0, tb=True, mode=mode)
+        dk_acc = dk_acc + _dot(to_end[:, None] * u_ref[:, cols].astype(F32), dend, tb=True, mode=mode)
+        dq_acc = dq_acc + _dot(do, s0, tb=True, mode=mode)
+        survive_acc = survive_acc + jnp.sum(s0 * dend)
+        return dq_acc, dk_acc, survive_acc
+
+    acc = (jnp.zeros((C, BK), F32), jnp.zeros((C, BK), F32), jnp.float32(0.0))
+    dq_acc, dk_acc, survive_acc = lax.fori_loop(0, V // BV, v_block, acc)
+
+    parts = lambda ref: functools.reduce(lambda a, b: a + b, [ref[:, pl.ds(j * C, C)] for j in range(nv)])
+    q, k = q_ref[...], k_ref[...]
+    q_k, k_k = q_ref[:, kcols], k_ref[:, kcols]
+    doc = doc_ref[...]
+    mask = _chunk_mask(doc, C, strict=False, segmented=cfg.segmented)
+    strict = _chunk_mask(doc, C, strict=True, segmented=cfg.segmented)
+    decay = _pair_decay(g, g, mask)
+    qk = _dot(q, k, tb=True, mode=mode)
+    dq_state = cfg.scale * from_start[:, None] * dq_acc
+    dp = cfg.scale * parts(dp_ref) * decay  # dL/d(Q K^T) of eq. (5)
+    dq = dq_state + _dot(dp, k_k, mode=mode)
+    dk = dk_acc + _dot(dp, q_k, ta=True, mode=mode)
+    z = jnp.where(strict, dp * qk, 0.0)
+    shared = jnp.sum(z, axis=1) - jnp.sum(z, axis=0)  # the K-independent terms of dL/dG
+    if cfg.delta:
+        decay_strict = jnp.where(strict, decay, 0.0)
+        kk = _dot(k, k, tb=True, mode=mode)
+        da = jnp.where(strict, parts(da_ref), 0.0)
+        dbeta_ref[...] = jnp.where(first, dbeta_part_ref[...] + jnp.sum(da * kk * decay_strict, axis=1), 0.0)
+        da_k = da * decay_strict * beta[:, None]  # dL/d(k_t . k_s)
+        dk = dk + _dot(da_k, k_k, mode=mode) + _dot(da_k, k_k, ta=True, mode=mode)
+        za = da_k * kk  # dA (.) A
+        shared = dg_ref[...] + shared + jnp.sum(za, axis=1) - jnp.sum(za, axis=0)
+    dlog_ref[...] = _dlog(jnp.sum(dq_state * q_k.astype(F32), axis=1), shared, end_ref[...], survive * survive_acc,
+                          first)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+
+
+def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do):
+    """dq, dk (per value head), dv, dbeta and d(log_decay) of every chunk, by `cfg.grad_method`."""
     B, Tp, H, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
-    C, G, BV = cfg.chunk_size, Hv // H, min(cfg.grad_block_v, V)
-    nt, nv = Tp // C, V // BV
-    key = lambda i, j, bh: (bh // Hv, i, (bh % Hv) // G, 0)
-    head_k = lambda i, j, bh: (bh // Hv, i, bh % Hv, 0)
-    head_v = lambda i, j, bh: (bh // Hv, i, bh % Hv, j)
-    gate = lambda i, j, bh: (bh // Hv, i, bh % Hv)
-    seq = lambda i, j, bh: (bh // Hv, i)
-    state = lambda i, j, bh: (bh // Hv, bh % Hv, i, j)
-    part_k = lambda i, j, bh: (j, bh // Hv, i, bh % Hv, 0)
-    part_gate = lambda i, j, bh: (j, bh // Hv, i, bh % Hv)
-    seq_spec = pl.BlockSpec((None, C), seq)
-    gate_spec = pl.BlockSpec((None, C, None), gate)
-    return pl.pallas_call(
-        functools.partial(_grad_kernel, cfg=cfg),
-        grid=(nt, nv, B * Hv),
-        in_specs=[pl.BlockSpec((None, C, None, K), key), pl.BlockSpec((None, C, None, K), key),
-                  pl.BlockSpec((None, C, None, BV), head_v), gate_spec, gate_spec, seq_spec, seq_spec, seq_spec,
-                  pl.BlockSpec((None, C, None, C), head_k),
-                  pl.BlockSpec((None, C, None, K), head_k if cfg.delta else key),
-                  pl.BlockSpec((None, C, None, BV), head_v), pl.BlockSpec((None, None, K, BV), state),
-                  pl.BlockSpec((None, None, K, BV), state), pl.BlockSpec((None, C, None, BV), head_v)],
-        out_specs=[pl.BlockSpec((None, None, C, None, K), part_k), pl.BlockSpec((None, None, C, None, K), part_k),
-                   pl.BlockSpec((None, C, None, BV), head_v), pl.BlockSpec((None, None, C, None), part_gate),
-                   pl.BlockSpec((None, None, C, None), part_gate)],
-        out_shape=[jax.ShapeDtypeStruct((nv, B, Tp, Hv, K), F32), jax.ShapeDtypeStruct((nv, B, Tp, Hv, K), F32),
-                   jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), jax.ShapeDtypeStruct((nv, B, Tp, Hv), F32),
-                   jax.ShapeDtypeStruct((nv, B, Tp, Hv), F32)],
-        compiler_params=_params(cfg.warps, cfg.stages),
+    C, G = cfg.chunk_size, Hv // H
+    BK, BV = min(cfg.grad_block_k, K), min(cfg.grad_block_v, V)
+    nk, nv = K // BK, V // BV
+    if cfg.grad_method not in GRAD_METHODS:
+        raise ValueError(f"grad_method must be one of {GRAD_METHODS}, got {cfg.grad_method!r}")
+    # Grid (blocks, chunks, B*Hv): the blocks of one chunk run side by side and share its inputs in the L2 cache.
+    key = lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0)
+    key_spec = pl.BlockSpec((None, C, None, K), key)
+    gate_spec = pl.BlockSpec((None, C, None), lambda j, i, bh: (bh // Hv, i, bh % Hv))
+    gates_spec = pl.BlockSpec((2, None, C, None), lambda j, i, bh: (0, bh // Hv, i, bh % Hv))  # G as (hi, lo)
+    seq_spec = pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i))
+    # Written per K block (or V block) and summed in XLA.
+    block_vector_spec = pl.BlockSpec((None, None, C, None), lambda j, i, bh: (j, bh // Hv, i, bh % Hv))
+    block_vector = lambda n: jax.ShapeDtypeStruct((n, B, Tp, Hv), F32)
+    k_block_spec = pl.BlockSpec((None, C, None, BK), lambda j, i, bh: (bh // Hv, i, bh % Hv, j))
+    # One key head's gradient sums over its G value heads: written per value head (fp32) unless G == 1.
+    qk_grad = jax.ShapeDtypeStruct((B, Tp, Hv, K), q.dtype if G == 1 else F32)
+    total = lambda x: x[0] if x.shape[0] == 1 else jnp.sum(x, axis=0)
+
+    if cfg.grad_method == "fused":
+        value_spec = pl.BlockSpec((None, C, None, V), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
+        state_spec = pl.BlockSpec((None, None, K, V), lambda j, i, bh: (bh // Hv, bh % Hv, i, 0))
+        dq, dk, dv, dbeta, dlog = pl.pallas_call(
+            functools.partial(_grad_kernel, cfg=cfg),
+            grid=(nk, Tp // C, B * Hv),
+            in_specs=[key_spec, key_spec, value_spec, gate_spec,
+                      pl.BlockSpec((None, C, None, C), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
+                      if cfg.delta else key_spec, gates_spec,
+                      seq_spec, seq_spec, seq_spec, state_spec, state_spec, value_spec],
+            out_specs=[k_block_spec, k_block_spec, value_spec, block_vector_spec, block_vector_spec],
+            out_shape=[qk_grad, qk_grad, jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), block_vector(nk),
+                       block_vector(nk)],
+            compiler_params=_params(cfg.grad_warps, cfg.stages),
+            interpret=cfg.interpret,
+            name="wy_grads",
+        )(q, k, v, beta, t, g, doc, carry, tail, starts, dends, do)
+        return dq, dk, dv, total(dbeta), total(dlog)
+
+    # "staged", part 1: grid (V/BV, chunks, B*Hv).
+    v_block_spec = pl.BlockSpec((None, C, None, BV), lambda j, i, bh: (bh // Hv, i, bh % Hv, j))
+    cc_spec = pl.BlockSpec((None, C, None, C), lambda j, i, bh: (bh // Hv, i, bh % Hv, j))  # V block j's C x C
+    cc_parts = jax.ShapeDtypeStruct((B, Tp, Hv, nv * C), F32)
+    fp32_value = jax.ShapeDtypeStruct((B, Tp, Hv, V), F32)
+    out_specs = [v_block_spec, cc_spec, block_vector_spec]
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), cc_parts, block_vector(nv)]
+    if cfg.delta:  # u, dx, dA, dbeta and dG partials
+        out_specs += [v_block_spec, v_block_spec, cc_spec, block_vector_spec, block_vector_spec]
+        out_shape += [fp32_value, fp32_value, cc_parts, block_vector(nv), block_vector(nv)]
+    state_v_spec = pl.BlockSpec((None, None, K, BV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j))
+    part1 = pl.pallas_call(
+        functools.partial(_grad_v_kernel, cfg=cfg),
+        grid=(nv, Tp // C, B * Hv),
+        in_specs=[key_spec, key_spec, v_block_spec, gate_spec,
+                  pl.BlockSpec((None, C, None, C), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
+                  if cfg.delta else key_spec, gates_spec,
+                  seq_spec, seq_spec, seq_spec, state_v_spec, state_v_spec, v_block_spec],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params(cfg.grad_warps, cfg.stages),
         interpret=cfg.interpret,
-        name="wy_grads",
-    )(q, k, v, beta, g, doc, carry, tail, t, w, u0, starts, dends, do)
+        name="wy_grads_v",
+    )(q, k, v, beta, t, g, doc, carry, tail, starts, dends, do)
+    dv, dp_parts, end = part1[:3]
+
+    # Part 2: grid (K/BK, chunks, B*Hv).
+    value_spec = pl.BlockSpec((None, C, None, V), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
+    cc_all_spec = pl.BlockSpec((None, C, None, nv * C), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
+    state_k_spec = pl.BlockSpec((None, None, BK, V), lambda j, i, bh: (bh // Hv, bh % Hv, i * nk + j, 0))
+    in_specs = [key_spec, key_spec, value_spec, gate_spec, gates_spec, seq_spec, seq_spec, seq_spec, state_k_spec,
+                state_k_spec, value_spec, cc_all_spec, gate_spec]
+    args = [q, k, part1[3] if cfg.delta else v, beta, g, doc, carry, tail, starts, dends, do, dp_parts, total(end)]
+    out_specs = [k_block_spec, k_block_spec, block_vector_spec]
+    out_shape = [qk_grad, qk_grad, block_vector(nk)]
+    if cfg.delta:
+        _, dx, da_parts, dbeta_parts, dg = part1[3:]  # u went in above
+        in_specs += [value_spec, cc_all_spec, gate_spec, gate_spec]
+        args += [dx, da_parts, total(dbeta_parts), total(dg)]
+        out_specs.insert(2, block_vector_spec)
+        out_shape.insert(2, block_vector(nk))
+    part2 = pl.pallas_call(
+        functools.partial(_grad_k_kernel, cfg=cfg, nv=nv),
+        grid=(nk, Tp // C, B * Hv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params(cfg.grad_k_warps, cfg.stages),
+        interpret=cfg.interpret,
+        name="wy_grads_k",
+    )(*args)
+    if cfg.delta:
+        dq, dk, dbeta, dlog = part2
+        return dq, dk, dv, total(dbeta), total(dlog)
+    dq, dk, dlog = part2
+    return dq, dk, dv, jnp.zeros((B, Tp, Hv), F32), total(dlog)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -426,41 +736,49 @@ def _grads(cfg, q, k, v, beta, g, doc, carry, tail, t, w, u0, starts, dends, do)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _factors(cfg, k, v, beta, g, doc, carry, *, with_t):
+def _inverse_or_none(cfg, k, beta, g, doc):
     if cfg.delta:
-        return _prepare(cfg, k, v, beta, g, doc, carry, with_t=with_t)
-    # Linear attention: W is never read (cfg.delta gates it), U0 = V.
-    return (k, v, None) if with_t else (k, v)
+        return _inverse(cfg, k, beta, g, doc)
+    return k  # linear attention never reads T (cfg.delta gates every use); k fills its slot without a copy
+
+
+def _in_chunk_cumsum(cfg, log_decay):
+    """G of every chunk as a compensated sum, stacked [hi, lo] -> [2, B, Tp, Hv] (`CumulativeLogDecay`)."""
+    B, Tp, Hv = log_decay.shape
+    C = cfg.chunk_size
+    g = CumulativeLogDecay.of(log_decay.reshape(B, Tp // C, C, Hv), axis=2)
+    return jnp.stack([g.hi.reshape(B, Tp, Hv), g.lo.reshape(B, Tp, Hv)])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _wy(cfg, q, k, v, beta, g, doc, carry, tail, h0):
-    w, u0 = _factors(cfg, k, v, beta, g, doc, carry, with_t=False)[:2]
-    o, final = _forward_pass(cfg, q, k, w, u0, g, doc, carry, tail, h0, with_states=False)
-    return o, final
+def _wy(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
+    """Differentiable in log_decay itself (not in G): the gate gradient comes out per token, see `_grad_kernel`."""
+    g = _in_chunk_cumsum(cfg, log_decay)
+    t = _inverse_or_none(cfg, k, beta, g, doc)
+    return _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=False)
 
 
-def _wy_fwd(cfg, q, k, v, beta, g, doc, carry, tail, h0):
-    w, u0, t = _factors(cfg, k, v, beta, g, doc, carry, with_t=True)
-    o, final, starts = _forward_pass(cfg, q, k, w, u0, g, doc, carry, tail, h0, with_states=True)
-    return (o, final), (q, k, v, beta, g, doc, carry, tail, w, u0, t, starts)
+def _wy_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
+    g = _in_chunk_cumsum(cfg, log_decay)
+    t = _inverse_or_none(cfg, k, beta, g, doc)
+    o, final, starts = _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=True)
+    return (o, final), (q, k, v, beta, g, doc, carry, tail, t, starts)
 
 
 def _wy_bwd(cfg, residuals, cotangents):
-    q, k, v, beta, g, doc, carry, tail, w, u0, t, starts = residuals
+    q, k, v, beta, g, doc, carry, tail, t, starts = residuals
     do, dfinal = cotangents
     do = do.astype(v.dtype)
-    dh0, dends = _reverse_pass(cfg, q, k, w, g, doc, carry, tail, do, dfinal.astype(F32))
-    if t is None:
-        t = jnp.zeros(v.shape[:3] + (cfg.chunk_size,), F32)  # never read (linear attention)
-    dq, dk, dv, dbeta, dg = _grads(cfg, q, k, v, beta, g, doc, carry, tail, t, w, u0, starts, dends, do)
+    dh0, dends = _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32))
+    dq, dk, dv, dbeta, dlog = _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do)
     B, Tp, H, K = q.shape
     G = cfg.value_heads // cfg.key_heads
-    dq = dq.sum(0).reshape(B, Tp, H, G, K).sum(3)
-    dk = dk.sum(0).reshape(B, Tp, H, G, K).sum(3)
-    dbeta = dbeta.sum(0) if cfg.delta else jnp.zeros_like(beta)
+    if G > 1:
+        dq = dq.reshape(B, Tp, H, G, K).sum(3)
+        dk = dk.reshape(B, Tp, H, G, K).sum(3)
+    dbeta = dbeta if cfg.delta else jnp.zeros_like(beta)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbeta.astype(beta.dtype),
-            dg.sum(0).astype(g.dtype), None, None, None, dh0)
+            dlog, None, None, None, dh0)
 
 
 _wy.defvjp(_wy_fwd, _wy_bwd)
@@ -471,22 +789,32 @@ _wy.defvjp(_wy_fwd, _wy_bwd)
 # ---------------------------------------------------------------------------------------------------------------
 
 BLOCK_V = 64
-GRAD_BLOCK_V = 128
-# For 16-bit inputs (float32 inputs always get IEEE fp32 dots). bf16 operands in the forward put o at ~3.4e-3
-# relative error against the fp32 scan (the bound is 3e-3); the gradients' bounds (6e-3, 1e-2) leave room, and
-# bf16 halves the backward's time (docs/kernels.md).
-DOTS = "tf32"
-GRAD_DOTS = "bf16"
+# Gradient kernels per method: V block, K block of dq and dk (None: whole rows), warps of the K-block kernel. On the
+# H100 (docs/kernels.md) "staged" took 2.7 ms where "fused" took 3.7 ms at 8x2048x16x128, same errors.
+GRAD_METHOD = "staged"
+GRAD_BLOCKS = {"fused": (32, None, 4), "staged": (64, 128, 8)}
+# Inverse kernel alone on the H100, 8x2048x16x128 bf16 (docs/kernels.md): "blocks16" 0.61 ms at 4 warps, 0.25 at 1;
+# "batched16" 0.26-0.28 at 1-2 warps, the same within the run-to-run spread. The warps were the gain.
+INVERSE_METHOD = "blocks16"
+INVERSE_WARPS = 1
+# For 16-bit inputs (float32 inputs always get IEEE fp32 products); see docs/kernels.md for what each choice
+# measured against the fp32 scan and on the H100.
+DOTS = "split"
+INVERSE_DOTS = "split"
+GRAD_DOTS = "split"
 
 
 def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret):
     K, V = q.shape[3], v.shape[3]
     fp32 = jnp.dtype(q.dtype) == jnp.float32
+    mode = lambda chosen: "highest" if fp32 else chosen
+    grad_bv, grad_bk, grad_k_warps = GRAD_BLOCKS[GRAD_METHOD]
     return Config(
         scale=float(scale), chunk_size=chunk_size, key_heads=q.shape[2], value_heads=v.shape[2], delta=delta,
-        segmented=segmented, dots="highest" if fp32 else DOTS, grad_dots="highest" if fp32 else GRAD_DOTS,
-        block_v=min(BLOCK_V if K <= 128 else 32, V), grad_block_v=min(GRAD_BLOCK_V if K <= 128 else 32, V),
-        factor_dtype="float32", warps=4, stages=2, interpret=interpret)
+        segmented=segmented, dots=mode(DOTS), inverse_dots=mode(INVERSE_DOTS), grad_dots=mode(GRAD_DOTS),
+        block_v=min(BLOCK_V if K <= 128 else 32, V), grad_block_v=min(grad_bv, V), grad_block_k=min(grad_bk or K, K),
+        grad_method=GRAD_METHOD, warps=4, grad_warps=4, grad_k_warps=grad_k_warps,
+        inverse_warps=INVERSE_WARPS, inverse_method=INVERSE_METHOD, stages=2, interpret=interpret)
 
 
 def _pad_time(x, pad, mode="constant"):
@@ -518,12 +846,11 @@ def chunk_wy(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chu
     qp, kp, vp = (_pad_time(x, pad) for x in (q, k, v))
     beta_p = _pad_time(beta.astype(F32) if delta else jnp.zeros((B, T, Hv), F32), pad)
     log_decay = jnp.zeros((B, T, Hv), F32) if log_decay is None else log_decay.astype(F32)
-    g = jnp.cumsum(_pad_time(log_decay, pad).reshape(B, nt, C, Hv), axis=2).reshape(B, nt * C, Hv)
     doc = _pad_time(document_index(segment_ids, B, T), pad, mode="edge")
     chunks = doc.reshape(B, nt, C)
     before = jnp.concatenate([chunks[:, :1, :1], chunks[:, :-1, -1:]], axis=1)  # last doc of the previous chunk
     carry = (chunks == before).astype(F32).reshape(B, nt * C)
     tail = (chunks == chunks[:, :, -1:]).astype(F32).reshape(B, nt * C)
     h0 = jnp.zeros((B, Hv, K, V), F32) if initial_state is None else initial_state.astype(F32)
-    o, final = _wy(cfg, qp, kp, vp, beta_p, g, doc, carry, tail, h0)
+    o, final = _wy(cfg, qp, kp, vp, beta_p, _pad_time(log_decay, pad), doc, carry, tail, h0)
     return o[:, :T].astype(v.dtype), final

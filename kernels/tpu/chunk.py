@@ -14,11 +14,11 @@ Two kernels, each on the grid (B * Hv "parallel", chunks "arbitrary") with the c
 walks the chunks of one (batch, value head) in order while the fp32 state lives in a VMEM scratch:
 
     _forward        O and the final state (or, for the backward, every chunk's start state S_0)
-    _backward       chunks in reverse: dS in a VMEM scratch; dq, dk, dv, dbeta, dG and d(initial state)
+    _backward       chunks in reverse: dS in a VMEM scratch; dq, dk, dv, dbeta, dG, dE and d(initial state)
 
 A training step runs three `pallas_call`s: the forward, the forward again emitting chunk states, the backward.
 
-The gate cumsum, the document masks carry/tail and the reverse cumsum dG -> d(log_decay) are elementwise work done
+The gate cumsum, the document masks carry/tail and the cumsums dG, dE -> d(log_decay) are elementwise work done
 in XLA around the kernels (Mosaic has no cumsum). Head dims are zero-padded to multiples of 128 lanes; padded
 channels stay zero in every product. Per-token gates enter as (C, 1) column blocks and (1, C) row blocks of
 [..., N, 1, C] arrays, both legal under the (8, 128) rule because their small dims are full array dims.
@@ -82,9 +82,11 @@ def _specs(cfg: Config, reverse: bool):
         return (pl.num_programs(1) - 1 - j) if reverse else j
 
     # lax.div/rem: grid indices are non-negative, and `//` on ints lowers through sign(), which needs a TPU.
-    batch = lambda bh: lax.div(bh, Hv)
-    head = lambda bh: lax.rem(bh, Hv)
-    key_head = lambda bh, j: (batch(bh), lax.div(head(bh), group), chunk(j), 0)
+    # lax.div/rem take no mixed dtypes: constants take the index's dtype (int32), which Python ints do not
+    # under jax_enable_x64.
+    batch = lambda bh: lax.div(bh, jnp.asarray(Hv, bh.dtype))
+    head = lambda bh: lax.rem(bh, jnp.asarray(Hv, bh.dtype))
+    key_head = lambda bh, j: (batch(bh), lax.div(head(bh), jnp.asarray(group, bh.dtype)), chunk(j), 0)
     value_head = lambda bh, j: (batch(bh), head(bh), chunk(j), 0)
     value_head_row = lambda bh, j: (batch(bh), head(bh), chunk(j), 0, 0)
     per_batch = lambda bh, j: (batch(bh), chunk(j), 0)
@@ -114,8 +116,8 @@ def vmem_need(cfg: Config, in_bytes: int, backward: bool) -> int:
     column, row, state = C * LANES * 4, 8 * Cl * 4, Kp * Vp * 4
     blocks = 2 * C * Kp * in_bytes + 2 * C * Vp * in_bytes  # q, k, v, o
     blocks += 8 * column + 5 * row + 2 * state  # gates, masks, initial and final (or chunk start) state
-    if backward:  # dO in; dq, dk, dv, dbeta, dG, dG rows out
-        blocks += C * Vp * in_bytes + 2 * C * Kp * 4 + C * Vp * 4 + 2 * column + row
+    if backward:  # dO in; dq, dk, dv, dbeta, dG, dE, dG rows out
+        blocks += C * Vp * in_bytes + 2 * C * Kp * 4 + C * Vp * 4 + 3 * column + row
     # Live chunk temporaries: about eight C x C fp32 matrices and eight C x max(Kp, Vp) fp32 tiles (twice that
     # in the backward), plus the scratch state.
     temporaries = (8 * C * Cl + 8 * C * max(Kp, Vp)) * 4 * (2 if backward else 1) + state
@@ -391,7 +393,10 @@ def _backward_kernel(cfg: Config, *refs):
     dp_gamma = dp * gates.incl  # d(Q K^T)
     dq = _dot(dp_gamma, kf) + gates.a * dqa
     dk = _dot_t(dp_gamma, qf) + gates.e * dke
-    dpp = dp * p  # d(G_t - G_s) of the output's pair decays
+    # d(G_t - G_s) of the output's pair decays, over s < t only. The pair t = s has decay exp(0) = 1 whatever the
+    # gates: it reaches dq, dk through dp_gamma but would enter dG as +x (row sum) and -x (column sum) at one
+    # token through two different roundings, leaving O(eps x) that swamps d(log_decay) ~ exp(-20) at -20 gates.
+    dpp = dp * (kk_q * gates.strict)
     dg = _row_sum(dpp)
     dg_row = -_col_sum(dpp)
     da = _row_sum(qf * dqa)
@@ -421,11 +426,15 @@ def _backward_kernel(cfg: Config, *refs):
         dv = du
 
     if cfg.gated:
-        # a_t = carry_t exp(G_t), e_s = tail_s exp(G_C - G_s), gamma = carry_C exp(G_C).
-        d_last = jnp.sum(de * gates.e, axis=0, keepdims=True) + d_gamma * gates.gamma
-        dg = dg + da * gates.a - de * gates.e + jnp.where(gates.last, d_last, 0.0)
+        # a_t = carry_t exp(G_t) and gamma = carry_C exp(G_C) go into dG. e_s = tail_s exp(G_C - G_s) depends on
+        # the gates after s only: its share of d(log_decay)_r is sum_{s<r} de_s e_s, an exclusive cumsum done in
+        # XLA from the dE output. Sent through dG instead (-x at s, +x at the last token) it would cancel in the
+        # reverse cumsum only to O(eps x), and e_s = 1 exactly for the last token (G_C - G_C) and for the last
+        # real token before a padded tail, where d(log_decay) ~ exp(-20) at -20 gates.
+        dg = dg + da * gates.a + jnp.where(gates.last, d_gamma * gates.gamma, 0.0)
         out["dg"][...] = dg
         out["dg_row"][...] = dg_row
+        out["de"][...] = de * gates.e
 
     out["dq"][...] = dq
     out["dk"][...] = dk
@@ -442,13 +451,14 @@ def _backward_outputs(cfg: Config):
     if cfg.delta:
         names.append("dbeta")
     if cfg.gated:
-        names += ["dg", "dg_row"]
+        names += ["dg", "dg_row", "de"]
     return names + ["d_initial"]
 
 
 def _backward(cfg: Config, prepared, chunk_states, do, d_final):
-    """A dict of fp32 gradients per value head: dq, dk [B, Hv, Tp, Kp], dv [B, Hv, Tp, Vp], dbeta and dg
-    (columns [B, Hv, Tp, 1]), dg_row [B, Hv, N, 1, C] and d_initial [B, Hv, Kp, Vp]; dG = dg + dg_row."""
+    """A dict of fp32 gradients per value head: dq, dk [B, Hv, Tp, Kp], dv [B, Hv, Tp, Vp], dbeta, dg and de
+    (columns [B, Hv, Tp, 1]), dg_row [B, Hv, N, 1, C] and d_initial [B, Hv, Kp, Vp]; dG = dg + dg_row, and de is
+    dE (.) e, the share of e_s = tail_s exp(G_C - G_s)."""
     q, v = prepared["q"], prepared["v"]
     B, _, Tp, Kp = q.shape
     Hv, Vp, C = cfg.value_heads, v.shape[-1], cfg.chunk_size
@@ -462,7 +472,7 @@ def _backward(cfg: Config, prepared, chunk_states, do, d_final):
         dq=(jax.ShapeDtypeStruct((B, Hv, Tp, Kp), F32), specs["value_key"]),
         dk=(jax.ShapeDtypeStruct((B, Hv, Tp, Kp), F32), specs["value_key"]),
         dv=(jax.ShapeDtypeStruct((B, Hv, Tp, Vp), F32), specs["value"]),
-        dbeta=column, dg=column,
+        dbeta=column, dg=column, de=column,
         dg_row=(jax.ShapeDtypeStruct((B, Hv, N, 1, C), F32), specs["row"]),
         d_initial=(jax.ShapeDtypeStruct((B, Hv, Kp, Vp), F32), specs["state"]))
     names = _backward_outputs(cfg)
@@ -587,8 +597,13 @@ def _chunked_bwd(cfg, residuals, cotangents):
     d_beta = token_major(grads["dbeta"]).astype(beta.dtype) if cfg.delta else None
     d_log_decay = None
     if cfg.gated:
-        d_cum = (grads["dg"] + grads["dg_row"].reshape(B, Hv, Tp, 1)).reshape(B, Hv, Tp // C, C)
+        N = Tp // C
+        d_cum = (grads["dg"] + grads["dg_row"].reshape(B, Hv, Tp, 1)).reshape(B, Hv, N, C)
         d_step = jnp.flip(jnp.cumsum(jnp.flip(d_cum, -1), axis=-1), -1)  # G_t = sum_{t' <= t} log_decay_t'
+        # e_s = tail_s exp(G_C - G_s) depends on the gates r > s: the exclusive forward cumsum sum_{s<r} de_s
+        # (shifted, never cumsum - de, which would bring back the O(eps x) residue).
+        de = grads["de"].reshape(B, Hv, N, C)
+        d_step = d_step + jnp.cumsum(jnp.pad(de[..., :-1], ((0, 0),) * 3 + ((1, 0),)), axis=-1)
         d_log_decay = token_major(d_step.reshape(B, Hv, Tp, 1)).astype(log_decay.dtype)
     d_v = jnp.swapaxes(grads["dv"][:, :, :T, :V], 1, 2).astype(v.dtype)
     d_initial = None

@@ -167,6 +167,58 @@ def test_adversarial_families(family):
     _check("delta_rule", _adversarial(family))
 
 
+def _strong_decay(family, x):
+    """[B, T, Hv] log-decays: exactly -20 everywhere, or so on value head 0 and on value head 1 a mix of -20
+    and near-0 gates (-1e-4 U(0, 1)), half each."""
+    B, T, Hv = x["v"].shape[:3]
+    everywhere = jnp.full((B, T, Hv), -20.0, jnp.float32)
+    if family == "minus_20_everywhere":
+        return everywhere
+    k_strong, k_small = jax.random.split(fresh_key())
+    strong = jax.random.bernoulli(k_strong, 0.5, (B, T, Hv))
+    mixed = jnp.where(strong, jnp.float32(-20.0), -1e-4 * jax.random.uniform(k_small, (B, T, Hv)))
+    return everywhere.at[:, :, 1:].set(mixed[:, :, 1:])
+
+
+@pytest.mark.parametrize("op", ["delta_rule", "linear_attention"])
+@pytest.mark.parametrize("family", ["minus_20_everywhere", "minus_20_and_near_0"])
+def test_log_decay_minus_20_on_every_token(op, family):
+    """d(log_decay) is ~exp(-20) where every gate is -20: it must not carry O(eps) residues of the O(1) terms
+    whose decay is exactly 1 (pairs t = s; e_s = exp(G_C - G_s) of the chunk's last token and of the last real
+    token before a padded tail). T = 130 is not a chunk multiple, with packed documents and an initial state. The gate gradients are
+    compared per value head, so the mixed head (O(1) gradients) cannot hide the all -20 head."""
+    x = _inputs(op)
+    x["log_decay"] = _strong_decay(family, x)
+    key = fresh_key()
+    o_ref, s_ref, g_ref = _forward_and_grads(op, x, "scan", key, jnp.float32)
+    with tpu.interpret():
+        o, s, g = _forward_and_grads(op, x, "pallas_tpu", key, jnp.float32, chunk_size=64)
+    assert relative_error(o, o_ref) <= FP32_OUT_TOL, relative_error(o, o_ref)
+    assert relative_error(s, s_ref) <= FP32_OUT_TOL, relative_error(s, s_ref)
+    for name, grad in g.items():
+        assert relative_error(grad, g_ref[name]) <= FP32_GRAD_TOL, (name, relative_error(grad, g_ref[name]))
+    for name in [n for n in ("beta", "log_decay") if n in g]:  # [B, T, Hv]
+        for head in range(MAIN["Hv"]):
+            error = relative_error(g[name][..., head], g_ref[name][..., head])
+            assert error <= FP32_GRAD_TOL, (name, head, error)
+
+
+def test_index_maps_under_x64():
+    """With jax_enable_x64 on, grid indices stay int32 while Python ints would become int64 in the index maps."""
+    x = _inputs("delta_rule", T=70, B=1)
+    key = fresh_key()
+    o_ref, s_ref, g_ref = _forward_and_grads("delta_rule", x, "scan", key, jnp.float32)
+    x64_before = jax.config.jax_enable_x64
+    with jax.enable_x64(True), tpu.interpret():  # the context manager restores the flag on exit
+        o, s, g = _forward_and_grads("delta_rule", x, "pallas_tpu", key, jnp.float32, chunk_size=64)
+    assert jax.config.jax_enable_x64 == x64_before
+    assert o.dtype == jnp.float32 and s.dtype == jnp.float32
+    assert relative_error(o, o_ref) <= FP32_OUT_TOL
+    assert relative_error(s, s_ref) <= FP32_OUT_TOL
+    for name, grad in g.items():
+        assert relative_error(grad, g_ref[name]) <= FP32_GRAD_TOL, (name, relative_error(grad, g_ref[name]))
+
+
 STEP_RULE_CASES = [
     ("kaczmarz", lambda q, k, v, p, d, **kw: deltajax.kaczmarz(q, k, v, d, **kw)),
     ("relaxed_kaczmarz", lambda q, k, v, p, d, **kw: deltajax.relaxed_kaczmarz(q, k, v, 1.9 * p, d, **kw)),

@@ -1,0 +1,189 @@
+"""Times the Pallas GPU KDA kernels (`kernels/gpu/kda.py`) one by one and end to end, for named config variants.
+
+    python experiments/bench_kda_gpu.py --sizes=8x2048x16x128 --variants=default,rows,bv128
+    python experiments/bench_kda_gpu.py --interpret --sizes=1x128x2x32 --iters=1   # CPU smoke run
+
+Each variant overrides fields of `kda.default_config` (see VARIANTS; bf16 inputs, Hv = H, K = V = D, chunk 64).
+Columns: the XLA glue before the kernels (compensated cumsum), the prepare kernel (P, T), the forward pass without
+and with the saved chunk states, the reverse pass, the two gradient kernels, then forward and forward+backward through
+`kda_chunk` (medians of --iters runs, block_until_ready), and optionally the relative errors against the fp32 scan
+on the same bf16 inputs. A variant that fails to compile is reported in its row, the others still run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+
+from deltajax.kernels.gpu import kda
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = V = D, Hv = H).")
+flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
+flags.DEFINE_integer("iters", 20, "Timed runs (median reported).")
+flags.DEFINE_bool("per_kernel", True, "Also time each kernel alone.")
+flags.DEFINE_string("error_size", "", "BxTxHxD where each variant's error against the fp32 scan (on the same "
+                    "bf16 inputs) is measured; empty to skip.")
+flags.DEFINE_bool("verbose", False, "Print each stage (compile + timing) as it finishes, with seconds elapsed.")
+flags.DEFINE_bool("interpret", False, "Run in Pallas's interpreter (a smoke test of this script on CPU).")
+
+VARIANTS = {
+    "default": {},  # prepare "partner", inverse "blocks" for bf16, warps 4, prepare 4, grads 4 (V kernel) and 8 (pair kernel)
+    "rows": dict(inverse="rows"),
+    "prep_blocks": dict(prepare="blocks"),  # 16 x 16 block prepare (measured 2.4x slower once)
+    "prep_blocks_rows": dict(prepare="blocks", inverse="rows"),  # row substitution as 16-row strips (the fp32 default)
+    "blocks": dict(inverse="blocks"),
+    "bv32": dict(block_v=32),
+    "warps2": dict(warps=2),
+    "warps8": dict(warps=8),
+    "prep_warps2": dict(prepare_warps=2),
+    "prep_warps8": dict(prepare_warps=8),
+    "grad_bv16": dict(grad_block_v=16),
+    "grad_bv64": dict(grad_block_v=64),
+    "grad_warps8": dict(grad_warps=8),
+    "grad_bv64_warps8": dict(grad_block_v=64, grad_warps=8),
+    "pair_warps4": dict(pair_warps=4),
+    "stages1": dict(stages=1),
+    "stages3": dict(stages=3),
+}
+
+
+_START = time.perf_counter()
+
+
+def log(what):
+    if FLAGS.verbose:
+        print(f"  [{time.perf_counter() - _START:7.1f} s] {what}", flush=True)
+
+
+def median_ms(fn, *args, iters):
+    jax.block_until_ready(fn(*args))
+    log(f"compiled {getattr(fn, '__name__', fn)}")
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - start) * 1e3)
+    log(f"timed: {statistics.median(times):.3f} ms")
+    return statistics.median(times)
+
+
+def inputs(B, T, H, D, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q = jax.random.normal(ks[0], (B, T, H, D)).astype(jnp.bfloat16)
+    k = jax.random.normal(ks[1], (B, T, H, D))
+    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, T, H, D)).astype(jnp.bfloat16)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
+    log_decay = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H, D)) + 3.0)
+    return q, k, v, beta, log_decay
+
+
+def make_config(name, q, v, D):
+    cfg = kda.default_config(q, v, scale=D ** -0.5, chunk_size=64, segmented=False, interpret=FLAGS.interpret)
+    return dataclasses.replace(cfg, **VARIANTS[name])
+
+
+def run_fn(cfg, D):
+    return lambda q, k, v, b, g: kda.kda_chunk(q, k, v, b, g, scale=D ** -0.5, initial_state=None, segment_ids=None,
+                                                interpret=cfg.interpret, config=cfg)
+
+
+def variant_errors(name):
+    """Relative errors of o, final state and every gradient against the fp32 scan on the same bf16 inputs."""
+    import numpy as np
+    from deltajax.rules.scan import recurrent_scan
+
+    B, T, H, D = (int(x) for x in FLAGS.error_size.split("x"))
+    q, k, v, beta, log_decay = inputs(B, T, H, D, seed=1)
+    cfg = make_config(name, q, v, D)
+    f32 = lambda x: x.astype(jnp.float32)
+    weights = jnp.cos(0.37 * jnp.arange(B * T * H * D, dtype=jnp.float32)).reshape(B, T, H, D)
+
+    def loss(fn, *a):
+        o, s = fn(*a)
+        return jnp.sum(o.astype(jnp.float32) * weights) + jnp.sum(s)
+
+    kernel = run_fn(cfg, D)
+    scan = lambda q, k, v, b, g: recurrent_scan(q, k, v, b, g, scale=D ** -0.5, initial_state=None,
+                                                 segment_ids=None)
+    o, s = jax.jit(kernel)(q, k, v, beta, log_decay)
+    o_ref, s_ref = jax.jit(scan)(f32(q), f32(k), f32(v), beta, log_decay)
+    grads = jax.jit(jax.grad(lambda *a: loss(kernel, *a), argnums=(0, 1, 2, 3, 4)))(q, k, v, beta, log_decay)
+    grads_ref = jax.jit(jax.grad(lambda *a: loss(scan, *a), argnums=(0, 1, 2, 3, 4)))(
+        f32(q), f32(k), f32(v), beta, log_decay)
+    rel = lambda x, r: float(np.linalg.norm(np.float64(x) - np.float64(r)) / np.linalg.norm(np.float64(r)))
+    return ", ".join(f"{rel(x, r):.1e}" for x, r in zip((o, s) + grads, (o_ref, s_ref) + grads_ref))
+
+
+def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
+    """ms of: cumsum glue, prepare (with R), forward pass, forward pass + states, reverse pass, gradient kernel."""
+    it = FLAGS.iters
+    doc = jnp.zeros((B, T), jnp.int32)
+    ones = jnp.ones((B, T), jnp.float32)
+    h0 = jnp.zeros((B, H, D, D), jnp.float32)
+    cum = jax.jit(lambda g: kda._cumulative(cfg, g))
+    g, glo = cum(log_decay)
+    prep = jax.jit(lambda q, k, g, glo, b: kda._prepare(cfg, q, k, g, glo, b, doc, with_r=True))
+    t, p, r = prep(q, k, g, glo, beta)
+    log('prep' + ' ran')
+    fwd = lambda states: jax.jit(lambda q, k, v, b, g, glo, t, p: kda._forward_pass(
+        cfg, q, k, v, b, g, glo, ones, ones, t, p, h0, with_states=states))
+    fwd0, fwd1 = fwd(False), fwd(True)
+    o, final, starts = fwd1(q, k, v, beta, g, glo, t, p)
+    log('fwd1' + ' ran')
+    rev = jax.jit(lambda q, k, b, g, glo, t, p, do, df: kda._reverse_pass(cfg, q, k, b, g, glo, ones, ones, t, p,
+                                                                          do, df))
+    dh0, dends = rev(q, k, beta, g, glo, t, p, o, final)
+    log('rev' + ' ran')
+    grads = jax.jit(lambda *a: kda._grads(cfg, *a))
+    gargs = (q, k, v, beta, g, glo, doc, ones, ones, t, p, r, starts, dends, o)
+    return [median_ms(cum, log_decay, iters=it),
+            median_ms(prep, q, k, g, glo, beta, iters=it),
+            median_ms(fwd0, q, k, v, beta, g, glo, t, p, iters=it),
+            median_ms(fwd1, q, k, v, beta, g, glo, t, p, iters=it),
+            median_ms(rev, q, k, beta, g, glo, t, p, o, final, iters=it),
+            median_ms(grads, *gargs, iters=it)]
+
+
+def main(argv):
+    del argv
+    dev = jax.devices()[0]
+    print(f"# {dev.device_kind}, jax {jax.__version__}, interpret={FLAGS.interpret}")
+    header = ["size", "variant", "cumsum", "prepare", "fwd pass", "fwd pass+states", "reverse", "grads", "fwd",
+              "fwd+bwd"]
+    if FLAGS.error_size:
+        header.append(f"rel. error o, state, dq, dk, dv, dbeta, dlog_decay ({FLAGS.error_size})")
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    print(rows[0], rows[1], sep="\n")
+    for size in FLAGS.sizes:
+        B, T, H, D = (int(x) for x in size.split("x"))
+        q, k, v, beta, log_decay = inputs(B, T, H, D)
+        for name in FLAGS.variants:
+            try:
+                cfg = make_config(name, q, v, D)
+                cells = kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay) if FLAGS.per_kernel else \
+                    [float("nan")] * 6
+                run = run_fn(cfg, D)
+                fwd = jax.jit(lambda *a: run(*a)[0])
+                loss = lambda *a: jnp.sum(run(*a)[0].astype(jnp.float32) ** 2)
+                bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+                cells += [median_ms(fwd, q, k, v, beta, log_decay, iters=FLAGS.iters),
+                          median_ms(bwd, q, k, v, beta, log_decay, iters=FLAGS.iters)]
+                row = f"| {size} | {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |"
+                if FLAGS.error_size:
+                    row += f" {variant_errors(name)} |"
+            except Exception as error:  # a variant that does not compile (registers, shared memory) is reported
+                row = f"| {size} | {name} | failed: {type(error).__name__}: {str(error)[:300]} |"
+            rows.append(row)
+            print(row, flush=True)
+    print("\n## summary\n" + "\n".join(rows))
+
+
+if __name__ == "__main__":
+    app.run(main)

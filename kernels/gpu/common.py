@@ -1,0 +1,65 @@
+"""Value-level helpers shared by the Triton kernels (`wy_chunk.py`, `kda.py`).
+
+Triton lowers neither value slicing nor concatenation: rows and last elements are taken by masked sums, which are
+exact (one term and zeros).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as pltriton
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+HIGHEST = lax.Precision.HIGHEST
+DOT_MODES = ("highest", "tf32", "bf16", "split")
+
+
+def compiler_params(warps, stages):
+    return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def split_bf16(x):
+    """x = hi + lo (+ ~2^-17 |x|) with two bf16 values."""
+    x = x.astype(F32)
+    hi = x.astype(BF16)
+    return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def dot(a, b, *, ta=False, tb=False, mode="highest"):
+    """a @ b (a^T if ta, b^T if tb) with fp32 accumulation; `mode` (DOT_MODES) applies when an operand is fp32.
+
+    "highest": IEEE fp32; "tf32": the backend default; "bf16": operands rounded to bf16; "split": each fp32 operand
+    as hi + lo in bf16, summed from 2 (one 16-bit operand) or 3 bf16 tensor-core dots, ~2^-16 relative.
+    """
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+    raw = lambda x, y, precision=None: lax.dot_general(x, y, dims, precision=precision, preferred_element_type=F32)
+    if a.dtype == b.dtype and a.dtype != F32:
+        return raw(a, b)  # two 16-bit operands: exact products on the tensor cores
+    if mode == "highest":
+        return raw(a.astype(F32), b.astype(F32), HIGHEST)
+    if mode == "tf32":
+        return raw(a.astype(F32), b.astype(F32), lax.Precision.DEFAULT)
+    if mode == "bf16":
+        return raw(a.astype(BF16), b.astype(BF16))
+    if mode != "split":
+        raise ValueError(f"dot mode must be one of {DOT_MODES}, got {mode!r}")
+    if a.dtype == BF16:
+        b_hi, b_lo = split_bf16(b)
+        return raw(a, b_hi) + raw(a, b_lo)
+    if b.dtype == BF16:
+        a_hi, a_lo = split_bf16(a)
+        return raw(a_hi, b) + raw(a_lo, b)
+    (a_hi, a_lo), (b_hi, b_lo) = split_bf16(a), split_bf16(b)
+    return raw(a_hi, b_hi) + (raw(a_hi, b_lo) + raw(a_lo, b_hi))
+
+
+def iota2(n, m, axis):
+    return lax.broadcasted_iota(jnp.int32, (n, m), axis)
+
+
+def last(x):
+    """x[-1] of a 1-D value."""
+    n = x.shape[0]
+    return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (n,), 0) == n - 1, x, 0))

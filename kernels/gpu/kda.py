@@ -1,0 +1,926 @@
+"""KDA (the delta rule with one log-decay per key channel) as Pallas Triton kernels, forward and backward.
+
+The recurrence, per token t with alpha_t = exp(log_decay_t) [K]:
+
+    S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T,      o_t = scale S_t^T q_t
+
+Chunkwise form (`deltajax.rules.chunk` with per-channel gates). Per chunk of C tokens, with S_0 the state at the
+chunk's start, G [C, K] the in-chunk cumulative log-decay of every channel, D_tsc = exp(G_tc - G_sc), `carry_t`
+(token t still belongs to the document open at the chunk's start) and `tail_s` (token s belongs to the document
+open at the chunk's end):
+
+    P_ts = sum_c q_tc k_sc D_tsc   (s <= t, same document)                                      (1)
+    R_ts = sum_c k_tc k_sc D_tsc   (s <  t, same document)                                      (2)
+    T    = (I + diag(beta) R)^-1   fp32 forward substitution (`Config.inverse`)                (3)
+    A_tc = carry_t exp(G_tc),  E_sc = tail_s exp(G_Cc - G_sc),  gamma_c = carry_C exp(G_Cc)
+    y    = V - (A (.) K) S_0,      u = T diag(beta) y                                           (4)
+    O    = scale [ (A (.) Q) S_0 + P u ]                                                        (5)
+    S_1  = Diag(gamma) S_0 + (E (.) K)^T u                                                      (6)
+
+Unlike a scalar gate, D_tsc does not factor out of the channel sum, so P and R are not one masked product. They
+are built from 16-token sub-chunks so that no exponent is ever positive (a log-decay of -20 per token overflows
+exp(-G_s) within five tokens):
+
+  * t in a later sub-chunk than s's sub-chunk j: split at the reference gate G_ref, the gate of sub-chunk j's last
+    token, D_ts = exp(G_t - G_ref) exp(G_ref - G_s), both factors <= 1. One C x K x C product per j covers all
+    such pairs: (Q (.) to_ref_j) (K (.) from_ref_j)^T, to_ref_j zero on sub-chunks <= j, from_ref_j zero outside j;
+  * t and s in one sub-chunk: the exact exponent, masked before exp. A loop over the 16 offsets r pairs every
+    token with the token at offset r of its own sub-chunk (its "partner") and fills one column per sub-chunk.
+
+G is a compensated cumsum (hi + lo, `deltajax.rules.chunk.CumulativeLogDecay`): differences subtract the large
+parts first, so pairs that decay by ~1 after a -20 gate keep full fp32 accuracy.
+
+Kernels (grids of at most 3 axes, every program independent; value head hv reads key head hv // (Hv // H) through
+the index maps, never a repeated copy):
+
+- `_prepare_partner_kernel` (`Config.prepare="partner"`, default) or `_prepare_blocks_kernel` (`"blocks"`: the
+  same in 16 x 16 blocks from 16-row ref slices, the partner token read as a ref row), grid (chunks, B*Hv): (1)-(3)
+  for one chunk; writes P and T (C x C fp32 each) and, for the backward, R (strict, same document).
+- `_forward_kernel`, grid (V/BV, B*Hv): `fori_loop` over the chunks with the fp32 state block S[:, BV] (K x BV) in
+  registers, (4)-(6); writes O, the final state and, for the backward, every chunk's start state.
+- `_reverse_kernel`, grid (V/BV, B*Hv): the same loop backwards carrying dL/dS; writes every chunk's end-state
+  cotangent and dL/d(initial_state).
+- `_grad_v_kernel`, grid (chunks, B*Hv): the V contractions of one chunk, chunk-parallel, from the saved start
+  states and end-state cotangents (a loop over V blocks): dv, dE, the state/boundary parts of dq, dk, dG, dbeta,
+  and dP, dL/d(diag(beta) R) (C x C).
+- `_grad_pair_kernel`, grid (chunks, B*Hv): the decayed pair products of dP and dR in 16 x 16 blocks (the block
+  scheme of `_prepare_blocks_kernel`, with R saved by prepare), added to the V kernel's partials.
+
+In XLA around them: padding (T to a multiple of C, K and V to powers of two >= 16), the compensated cumsum, the
+document flags, the sum of dq/dk over each key head's value heads and the cumsums that turn dG into
+d(log_decay) (reverse for G, exclusive forward for E, whose gates are those after s).
+
+Precision (`Config.dots`, products with an fp32 operand): "highest" (IEEE fp32; fp32 inputs) or "split" (16-bit
+inputs): each fp32 operand x is written as hi + lo with hi = bf16(x), lo = bf16(x - hi), and the product is summed
+from bf16 tensor-core dots hi*hi + hi*lo + lo*hi (~2^-16 relative per product; TF32 would give ~2^-11, which the
+inverse can amplify for correlated keys). The inverse's own substitution and merges are always IEEE fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from deltajax.kernels.gpu.common import compiler_params as _params
+from deltajax.kernels.gpu.common import dot as _dot
+from deltajax.kernels.gpu.common import last as _last
+from deltajax.rules.chunk import CumulativeLogDecay
+from deltajax.rules.common import document_index
+
+SUB = 16  # sub-chunk of the pair matrices and side of the diagonal blocks of the inverse
+CHUNK_SIZES = (16, 32, 64, 128)
+MAX_HEAD_DIM = 256
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+HIGHEST = lax.Precision.HIGHEST
+DOT_MODES = ("highest", "split")  # the modes this kernel is tested with (`common.dot` has more)
+# "rows": forward substitution over all C rows (C sequential steps on C x C values); "blocks": 16 x 16 diagonal
+# blocks by substitution, then block merges X_ij = -X_ii sum_m a_im X_mj. Both exact fp32 (never Neumann series
+# or doubling). With correlated keys and beta near 2, cond(I + A) reaches ~3e3 and "blocks" had 2-3x the error
+# of "rows" in T and in the outputs (1.7e-5 vs 7.5e-6 against the fp32 scan on one such input), hence the default.
+INVERSE_METHODS = ("rows", "blocks")
+# "partner": whole C x C / C x K values, a C x K x C product per reference and a 16-step loop over partner offsets
+# (measured faster on the H100); "blocks": 16 x 16 blocks from 16-row ref slices (measured 2.4x slower: 12.7 ms
+# against 5.2 ms at 8x2048x16x128 bf16).
+PREPARE_METHODS = ("partner", "blocks")
+INPUT_DTYPES = ("float32", "bfloat16", "float16")
+
+__all__ = ["CHUNK_SIZES", "DOT_MODES", "INVERSE_METHODS", "MAX_HEAD_DIM", "PREPARE_METHODS", "Config", "default_config",
+           "kda_chunk"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static configuration of one call (hashable: the `custom_vjp`'s non-differentiable argument)."""
+
+    scale: float
+    chunk_size: int
+    key_heads: int
+    value_heads: int
+    segmented: bool  # same-document masks inside the chunk are needed
+    dots: str  # products with an fp32 operand (DOT_MODES)
+    inverse: str  # how T is formed (INVERSE_METHODS)
+    prepare: str  # how P, T and R are formed (PREPARE_METHODS)
+    block_v: int  # BV of the sequential passes
+    grad_block_v: int  # BV of the loop inside the gradient kernel
+    warps: int  # sequential passes
+    prepare_warps: int  # prepare kernel
+    grad_warps: int  # gradient kernel of the V contractions
+    pair_warps: int  # gradient kernel of the pair terms
+    stages: int
+    interpret: bool
+
+
+def _masked_exp(mask, x):
+    """exp(x) where `mask`, else 0; masked before exp, so an unselected (possibly positive) exponent never runs."""
+    return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
+
+
+class _Geometry(NamedTuple):
+    """Token positions of one chunk (C tokens, sub-chunks of SUB)."""
+
+    rows: jax.Array  # (C, 1) token index t
+    rows_cc: jax.Array  # (C, C) row index
+    lanes: jax.Array  # (C, C) column index s
+    block: jax.Array  # (C, 1) sub-chunk of t
+    offset: jax.Array  # (C, 1) position of t inside its sub-chunk
+    base: jax.Array  # (C, 1) first token of t's sub-chunk
+    base_lanes: jax.Array  # (1, C) first token of column s's sub-chunk
+
+
+def _geometry(C: int) -> _Geometry:
+    shift = SUB.bit_length() - 1
+    rows = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+    lanes_row = lax.broadcasted_iota(jnp.int32, (1, C), 1)
+    block = lax.shift_right_logical(rows, jnp.int32(shift))
+    return _Geometry(
+        rows=rows, rows_cc=lax.broadcasted_iota(jnp.int32, (C, C), 0),
+        lanes=lax.broadcasted_iota(jnp.int32, (C, C), 1), block=block, offset=rows & (SUB - 1),
+        base=lax.shift_left(block, jnp.int32(shift)),
+        base_lanes=lax.shift_left(lax.shift_right_logical(lanes_row, jnp.int32(shift)), jnp.int32(shift)))
+
+
+def _row(geo, x, i):
+    """Row i of x as a 1-D value: a masked sum over rows, exact (one term and zeros)."""
+    return jnp.sum(jnp.where(geo.rows == i, x, 0.0), axis=0)
+
+
+def _masks(geo, doc, segmented):
+    """(s <= t, s < t), both restricted to one document when `segmented`."""
+    rows = geo.rows_cc
+    incl, strict = geo.lanes <= rows, geo.lanes < rows
+    if segmented:
+        same = doc[:, None] == doc[None, :]
+        incl, strict = incl & same, strict & same
+    return incl, strict
+
+
+class _Boundary(NamedTuple):
+    a: jax.Array  # (C, K) carry_t exp(G_tc)
+    e: jax.Array  # (C, K) tail_s exp(G_Cc - G_sc)
+    gamma: jax.Array  # (K,) carry_C exp(G_Cc): how much of S_0 survives the chunk, per channel
+
+
+def _boundary(geo, g, glo, carry, tail):
+    C = g.shape[0]
+    g_last, glo_last = _row(geo, g, C - 1)[None, :], _row(geo, glo, C - 1)[None, :]
+    a = carry[:, None] * jnp.exp(g + glo)
+    e = tail[:, None] * jnp.exp((g_last - g) + (glo_last - glo))
+    gamma = _last(carry) * jnp.exp(g_last[0] + glo_last[0])
+    return _Boundary(a, e, gamma)
+
+
+def _partner(geo, x, r):
+    """Row t -> row base_t + r of x (C x D): every token sees the token at offset r of its own sub-chunk.
+
+    A masked sum over each sub-chunk and a broadcast back, exact in fp32; `r` may be a loop index.
+    """
+    C, D = x.shape
+    n = C // SUB
+    picked = jnp.where(geo.offset == r, x, 0.0).reshape(n, SUB, D)
+    per_block = jnp.sum(picked, axis=1, keepdims=True)
+    return jnp.broadcast_to(per_block, (n, SUB, D)).reshape(C, D)
+
+
+def _reference_split(geo, g, glo, j):
+    """(to_ref, from_ref) of sub-chunk j: D_ts = to_ref_t from_ref_s for t in a later sub-chunk and s in j.
+
+    G_ref is the gate of sub-chunk j's last token, so G_t <= G_ref <= G_s and both exponents are <= 0;
+    to_ref is zero on rows of sub-chunks <= j, from_ref outside sub-chunk j.
+    """
+    token = SUB * (j + 1) - 1
+    ref, ref_lo = _row(geo, g, token)[None, :], _row(geo, glo, token)[None, :]
+    to_ref = _masked_exp(geo.block > j, (g - ref) + (glo - ref_lo))
+    from_ref = _masked_exp(geo.block == j, (ref - g) + (ref_lo - glo))
+    return to_ref, from_ref
+
+
+def _partner_decays(geo, g, glo, r):
+    """(after, before) for every token t and its partner p = base_t + r, exact per channel:
+
+    after_t = exp(G_t - G_p) where p < t, before_t = exp(G_p - G_t) where p > t, 0 elsewhere. p = t is left out:
+    its decay is the constant 1, which callers use without exp so that it never enters dG.
+    """
+    diff = (g - _partner(geo, g, r)) + (glo - _partner(geo, glo, r))  # G_t - G_p
+    return _masked_exp(geo.offset > r, diff), _masked_exp(geo.offset < r, -diff)
+
+
+def _pair_matrices(geo, pairs, g, glo, mode):
+    """For each (a, b) in `pairs`: M[t, s] = sum_c a_tc b_sc D_tsc for s < t (unmasked by documents; 0 on and
+    above the diagonal)."""
+    C = g.shape[0]
+    out = [jnp.zeros((C, C), F32) for _ in pairs]
+    for j in range(C // SUB - 1):
+        to_ref, from_ref = _reference_split(geo, g, glo, j)
+        out = [m + _dot(a * to_ref, b * from_ref, tb=True, mode=mode) for m, (a, b) in zip(out, pairs)]
+
+    def diagonal(r, out):
+        after, _ = _partner_decays(geo, g, glo, r)
+        column = geo.lanes == geo.base + r  # entry [t, base_t + r]; rows with p >= t get 0 from `after`
+        new = []
+        for m, (a, b) in zip(out, pairs):
+            entry = jnp.sum(a * _partner(geo, b, r) * after, axis=1)
+            new.append(jnp.where(column, entry[:, None], m))
+        return tuple(new)
+
+    return list(lax.fori_loop(0, SUB, diagonal, tuple(out)))
+
+def _unit_lower_row_inverse(a):
+    """(I + a)^-1 for a strictly lower n x n fp32 matrix, by forward substitution row by row (exact fp32).
+
+    After step i, rows 0..i of x are rows of the inverse; rows below are still identity rows, and a[i, j] = 0 for
+    j >= i, so they never contribute to row i.
+    """
+    n = a.shape[0]
+    rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+
+    def step(i, x):
+        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # a[i, :]
+        row_i = jnp.sum(a_i[:, None] * x, axis=0)  # sum_j a[i, j] x[j, :]
+        return x - jnp.where(rows == i, row_i[None, :], 0.0)
+
+    return lax.fori_loop(1, n, step, jnp.where(rows == cols, 1.0, 0.0).astype(F32))
+
+
+def _unit_lower_inverse(a):
+    """Blocks {(i, j): X_ij, j <= i} of X = (I + a)^-1, a strictly lower C x C: 16 x 16 forward substitutions,
+    then X_ij = -X_ii sum_{j <= m < i} a_im X_mj, all at IEEE fp32 (never Neumann series or doubling: powers of a
+    overflow for correlated keys)."""
+    nb = a.shape[0] // SUB
+    blocks = [jnp.split(r, nb, axis=1) for r in jnp.split(a, nb, axis=0)]
+    x = {(i, i): _unit_lower_row_inverse(blocks[i][i]) for i in range(nb)}
+    for d in range(1, nb):
+        for i in range(d, nb):
+            j = i - d
+            acc = _dot(blocks[i][j], x[j, j])
+            for m in range(j + 1, i):
+                acc = acc + _dot(blocks[i][m], x[m, j])
+            x[i, j] = -_dot(x[i, i], acc)
+    return x
+
+
+def _blk(i):
+    """Rows (or columns) of sub-chunk i."""
+    return pl.ds(i * SUB, SUB)
+
+
+def _iota(n, m, axis):
+    return lax.broadcasted_iota(jnp.int32, (n, m), axis)
+
+
+def _block_masks(doc_ref, i, j, segmented):
+    """(s <= t, s < t) for the (i, j) block of a chunk (i >= j), restricted to one document when `segmented`."""
+    rows, cols = _iota(SUB, SUB, 0), _iota(SUB, SUB, 1)
+    if i == j:
+        incl, strict = cols <= rows, cols < rows
+    else:
+        incl = strict = rows >= 0
+    if segmented:
+        same = doc_ref[_blk(i)][:, None] == doc_ref[_blk(j)][None, :]
+        incl, strict = incl & same, strict & same
+    return incl, strict
+
+
+def _gates(g_ref, glo_ref, rows):
+    return g_ref[rows, :], glo_ref[rows, :]
+
+
+def _reference(g_ref, glo_ref, j):
+    """The reference gate of sub-chunk j: the gate of its last token, (1, K) hi and lo."""
+    return _gates(g_ref, glo_ref, pl.ds(j * SUB + SUB - 1, 1))
+
+
+def _to_ref(gates, ref):
+    """exp(G_t - G_ref) for t in a later sub-chunk than the reference's (exponent <= 0)."""
+    (g, glo), (r, rlo) = gates, ref
+    return jnp.exp((g - r) + (glo - rlo))
+
+
+def _from_ref(gates, ref):
+    """exp(G_ref - G_s) for s in the reference's sub-chunk, at or before it (exponent <= 0)."""
+    (g, glo), (r, rlo) = gates, ref
+    return jnp.exp((r - g) + (rlo - glo))
+
+
+def _partner_exponent(g_ref, glo_ref, gates, row):
+    """G_t - G_c for the SUB tokens t of `gates` and the token c at `row` (a (1, K) ref row), compensated."""
+    g, glo = gates
+    return (g - g_ref[row, :]) + (glo - glo_ref[row, :])
+
+
+def _substitute(systems):
+    """Solves (I + l) x = b for each (l, [b, ...]) in `systems` (l strictly lower SUB x SUB fp32), all in one loop.
+
+    Column-oriented forward substitution, exact fp32: at step m, row m of every x is final and is removed from the
+    rows below through column m of l (l[r, m] = 0 for r <= m, so rows at and above m are left unchanged).
+    """
+    rows, cols = _iota(SUB, SUB, 0), _iota(SUB, SUB, 1)
+
+    def step(m, xs):
+        out, n = [], 0
+        for l, bs in systems:
+            l_col = jnp.sum(jnp.where(cols == m, l, 0.0), axis=1)[:, None]  # l[:, m]
+            for _ in bs:
+                x = xs[n]
+                n += 1
+                out.append(x - l_col * jnp.sum(jnp.where(rows == m, x, 0.0), axis=0)[None, :])
+        return tuple(out)
+
+    flat = lax.fori_loop(0, SUB - 1, step, tuple(b for _, bs in systems for b in bs))
+    out, n = [], 0
+    for _, bs in systems:
+        out.append(list(flat[n:n + len(bs)]))
+        n += len(bs)
+    return out
+
+
+def _identity():
+    return jnp.where(_iota(SUB, SUB, 0) == _iota(SUB, SUB, 1), 1.0, 0.0).astype(F32)
+
+
+def _hdot(a, b):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=F32)
+
+
+def _inverse_rows(a, nb):
+    """Blocks (i, j <= i) of (I + a)^-1 by forward substitution row by row, done as 16-row strips: strip i's
+    right-hand sides -sum_{m < i} a_im X_mj (IEEE fp32 dots), then substitution through a_ii (no explicit
+    diagonal inverse is multiplied in: the same operations as the 64-row substitution, summed in another order)."""
+    x = {}
+    for i in range(nb):
+        rhs = []
+        for j in range(i):
+            acc = _hdot(a[i, j], x[j, j])
+            for m in range(j + 1, i):
+                acc = acc + _hdot(a[i, m], x[m, j])
+            rhs.append(-acc)
+        (solved,) = _substitute([(a[i, i], rhs + [_identity()])])
+        for j in range(i + 1):
+            x[i, j] = solved[j]
+    return x
+
+
+def _inverse_blocks(a, nb):
+    """Blocks (i, j <= i) of (I + a)^-1: the nb diagonal 16 x 16 inverses by substitution in one loop, then the
+    merges X_ij = -X_ii sum_{j <= m < i} a_im X_mj, all at IEEE fp32 (never Neumann series or doubling)."""
+    diag = _substitute([(a[i, i], [_identity()]) for i in range(nb)])
+    x = {(i, i): diag[i][0] for i in range(nb)}
+    for d in range(1, nb):
+        for i in range(d, nb):
+            j = i - d
+            acc = _hdot(a[i, j], x[j, j])
+            for m in range(j + 1, i):
+                acc = acc + _hdot(a[i, m], x[m, j])
+            x[i, j] = -_hdot(x[i, i], acc)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (1)-(3): pair matrix P and the in-chunk inverse T, chunk-parallel, in 16 x 16 blocks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _prepare_blocks_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_ref, p_ref, *r_ref, cfg: Config):
+    """P, T (and R for the backward) of one chunk, block by block: block (i, j) of P is
+
+    * i > j: (Q_i (.) exp(G_i - G_ref)) (K_j (.) exp(G_ref - G_j))^T with G_ref the gate of sub-chunk j's last
+      token, both factors <= 1: 2 x 16 x K exponentials folded into the operands of one dot;
+    * i = j: the exact exponent per pair, one column c per step: the partner token c is read as a (1, K) row of
+      the refs, exp(G_t - G_c) is masked to t > c before it is taken, and the column is a row sum.
+    """
+    C, mode = cfg.chunk_size, cfg.dots
+    nb = C // SUB
+    rows, cols = _iota(SUB, SUB, 0), _iota(SUB, SUB, 1)
+    offset = lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+    zeros = jnp.zeros((SUB, SUB), F32)
+    p, r = {}, {}
+    for i in range(nb):
+        q_i, k_i = q_ref[_blk(i), :].astype(F32), k_ref[_blk(i), :].astype(F32)
+        gates_i = _gates(g_ref, glo_ref, _blk(i))
+
+        def column(c, acc, i=i, q_i=q_i, k_i=k_i, gates_i=gates_i):
+            p_ii, r_ii = acc
+            row = pl.ds(i * SUB + c, 1)
+            after = _masked_exp(offset > c, _partner_exponent(g_ref, glo_ref, gates_i, row))
+            w = k_ref[row, :].astype(F32) * after
+            p_ii = jnp.where(cols == c, jnp.sum(q_i * w, axis=1)[:, None], p_ii)
+            r_ii = jnp.where(cols == c, jnp.sum(k_i * w, axis=1)[:, None], r_ii)
+            return p_ii, r_ii
+
+        p_ii, r_ii = lax.fori_loop(0, SUB, column, (zeros, zeros))
+        # P_tt = q_t . k_t, decay exactly 1.
+        p[i, i] = p_ii + jnp.where(rows == cols, jnp.sum(q_i * k_i, axis=1)[:, None], 0.0)
+        r[i, i] = r_ii
+    for j in range(nb - 1):
+        ref = _reference(g_ref, glo_ref, j)
+        k_from = k_ref[_blk(j), :].astype(F32) * _from_ref(_gates(g_ref, glo_ref, _blk(j)), ref)
+        for i in range(j + 1, nb):
+            to = _to_ref(_gates(g_ref, glo_ref, _blk(i)), ref)
+            p[i, j] = _dot(q_ref[_blk(i), :].astype(F32) * to, k_from, tb=True, mode=mode)
+            r[i, j] = _dot(k_ref[_blk(i), :].astype(F32) * to, k_from, tb=True, mode=mode)
+    a = {}
+    for i in range(nb):
+        beta_i = beta_ref[_blk(i)][:, None]
+        for j in range(i + 1):
+            incl, strict = _block_masks(doc_ref, i, j, cfg.segmented)
+            p[i, j] = jnp.where(incl, p[i, j], 0.0)
+            r[i, j] = jnp.where(strict, r[i, j], 0.0)
+            a[i, j] = beta_i * r[i, j]
+    x = (_inverse_rows if cfg.inverse == "rows" else _inverse_blocks)(a, nb)
+    outs = [(t_ref, x), (p_ref, p)] + [(ref, r) for ref in r_ref]
+    for i in range(nb):
+        for j in range(nb):
+            for ref, blocks in outs:
+                ref[_blk(i), _blk(j)] = blocks[i, j] if j <= i else zeros
+
+
+def _prepare_partner_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_ref, p_ref, *r_ref, cfg: Config):
+    """`Config.prepare="partner"`: P, T (and R) on whole C x C / C x K values; see the module docstring."""
+    C = cfg.chunk_size
+    geo = _geometry(C)
+    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+    incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
+    p, r = _pair_matrices(geo, ((q, k), (k, k)), g_ref[...], glo_ref[...], cfg.dots)
+    # P_tt = q_t . k_t, decay exactly 1.
+    p = p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
+    p_ref[...] = jnp.where(incl, p, 0.0)
+    r = jnp.where(strict, r, 0.0)
+    for ref in r_ref:
+        ref[...] = r
+    a = beta_ref[...][:, None] * r
+    if cfg.inverse == "rows":
+        t_ref[...] = _unit_lower_row_inverse(a)
+        return
+    x = _unit_lower_inverse(a)
+    nb = C // SUB
+    for i in range(nb):
+        for j in range(nb):
+            t_ref[i * SUB:(i + 1) * SUB, j * SUB:(j + 1) * SUB] = x[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
+
+def _chunk_specs(cfg, K, V):
+    """BlockSpecs of the chunk-parallel kernels (grid (chunks, B*Hv))."""
+    Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
+    return dict(
+        key=pl.BlockSpec((None, C, None, K), lambda i, bh: (bh // Hv, i, (bh % Hv) // G, 0)),
+        channel=pl.BlockSpec((None, C, None, K), lambda i, bh: (bh // Hv, i, bh % Hv, 0)),
+        value=pl.BlockSpec((None, C, None, V), lambda i, bh: (bh // Hv, i, bh % Hv, 0)),
+        square=pl.BlockSpec((None, C, None, C), lambda i, bh: (bh // Hv, i, bh % Hv, 0)),
+        gate=pl.BlockSpec((None, C, None), lambda i, bh: (bh // Hv, i, bh % Hv)),
+        seq=pl.BlockSpec((None, C), lambda i, bh: (bh // Hv, i)),
+        state=pl.BlockSpec((None, None, K, V), lambda i, bh: (bh // Hv, bh % Hv, i, 0)),
+    )
+
+
+def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
+    """(T, P), and R (strictly lower, same document) for the backward when `with_r`."""
+    if cfg.inverse not in INVERSE_METHODS:
+        raise ValueError(f"config.inverse must be one of {INVERSE_METHODS}, got {cfg.inverse!r}")
+    if cfg.prepare not in PREPARE_METHODS:
+        raise ValueError(f"config.prepare must be one of {PREPARE_METHODS}, got {cfg.prepare!r}")
+    if cfg.dots not in DOT_MODES:
+        raise ValueError(f"config.dots must be one of {DOT_MODES}, got {cfg.dots!r}")
+    B, Tp, _, K = q.shape
+    Hv, C = cfg.value_heads, cfg.chunk_size
+    sp = _chunk_specs(cfg, K, K)
+    square = jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)
+    n_out = 3 if with_r else 2
+    return pl.pallas_call(
+        functools.partial(_prepare_partner_kernel if cfg.prepare == "partner" else _prepare_blocks_kernel, cfg=cfg),
+        grid=(Tp // C, B * Hv),
+        in_specs=[sp["key"], sp["key"], sp["channel"], sp["channel"], sp["gate"], sp["seq"]],
+        out_specs=[sp["square"]] * n_out,
+        out_shape=[square] * n_out,
+        compiler_params=_params(cfg.prepare_warps, cfg.stages),
+        interpret=cfg.interpret,
+        name="kda_prepare",
+    )(q, k, g, glo, beta, doc)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (4)-(6): the sequential passes over chunks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _sequence_specs(cfg, Tp, K, BV):
+    """BlockSpecs of the sequential passes (grid (V/BV, B*Hv)): whole sequences of one head, V block j."""
+    Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
+    return dict(
+        key=pl.BlockSpec((None, Tp, None, K), lambda j, bh: (bh // Hv, 0, (bh % Hv) // G, 0)),
+        channel=pl.BlockSpec((None, Tp, None, K), lambda j, bh: (bh // Hv, 0, bh % Hv, 0)),
+        value=pl.BlockSpec((None, Tp, None, BV), lambda j, bh: (bh // Hv, 0, bh % Hv, j)),
+        square=pl.BlockSpec((None, Tp, None, C), lambda j, bh: (bh // Hv, 0, bh % Hv, 0)),
+        gate=pl.BlockSpec((None, Tp, None), lambda j, bh: (bh // Hv, 0, bh % Hv)),
+        seq=pl.BlockSpec((None, Tp), lambda j, bh: (bh // Hv, 0)),
+        state=pl.BlockSpec((None, None, K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
+        states=pl.BlockSpec((None, None, (Tp // C) * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
+    )
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, carry_ref, tail_ref, t_ref, p_ref, h0_ref,
+                    o_ref, final_ref, *states_ref, cfg: Config, nt: int):
+    C, mode = cfg.chunk_size, cfg.dots
+    K = q_ref.shape[-1]
+    geo = _geometry(C)
+
+    def chunk(i, s):
+        """s: the state block at the start of chunk i; returns the one at its end."""
+        rows = pl.ds(pl.multiple_of(i * C, C), C)
+        if states_ref:
+            states_ref[0][pl.ds(pl.multiple_of(i * K, K), K), :] = s
+        q, k = q_ref[rows, :].astype(F32), k_ref[rows, :].astype(F32)
+        bound = _boundary(geo, g_ref[rows, :], glo_ref[rows, :], carry_ref[rows], tail_ref[rows])
+        y = v_ref[rows, :].astype(F32) - _dot(bound.a * k, s, mode=mode)
+        u = _dot(t_ref[rows, :], beta_ref[rows][:, None] * y, mode=mode)
+        o = cfg.scale * (_dot(bound.a * q, s, mode=mode) + _dot(p_ref[rows, :], u, mode=mode))
+        o_ref[rows, :] = o.astype(o_ref.dtype)
+        return bound.gamma[:, None] * s + _dot(bound.e * k, u, ta=True, mode=mode)
+
+    final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
+
+
+def _forward_pass(cfg, q, k, v, beta, g, glo, carry, tail, t, p, h0, *, with_states):
+    B, Tp, _, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    BV = min(cfg.block_v, V)
+    nt = Tp // cfg.chunk_size
+    sp = _sequence_specs(cfg, Tp, K, BV)
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), jax.ShapeDtypeStruct((B, Hv, K, V), F32)]
+    out_specs = [sp["value"], sp["state"]]
+    if with_states:
+        out_shape.append(jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32))
+        out_specs.append(sp["states"])
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, cfg=cfg, nt=nt),
+        grid=(V // BV, B * Hv),
+        in_specs=[sp["key"], sp["key"], sp["value"], sp["gate"], sp["channel"], sp["channel"], sp["seq"],
+                  sp["seq"], sp["square"], sp["square"], sp["state"]],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params(cfg.warps, cfg.stages),
+        interpret=cfg.interpret,
+        name="kda_forward",
+    )(q, k, v, beta, g, glo, carry, tail, t, p, h0)
+
+
+def _reverse_kernel(q_ref, k_ref, beta_ref, g_ref, glo_ref, carry_ref, tail_ref, t_ref, p_ref, do_ref, dfinal_ref,
+                    dh0_ref, dends_ref, *, cfg: Config, nt: int):
+    C, mode = cfg.chunk_size, cfg.dots
+    K = q_ref.shape[-1]
+    geo = _geometry(C)
+
+    def chunk(n, ds):
+        """ds: dL/d(state at the end of chunk i = nt-1-n); returns dL/d(state at its start)."""
+        i = nt - 1 - n
+        rows = pl.ds(pl.multiple_of(i * C, C), C)
+        dends_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = ds
+        q, k = q_ref[rows, :].astype(F32), k_ref[rows, :].astype(F32)
+        bound = _boundary(geo, g_ref[rows, :], glo_ref[rows, :], carry_ref[rows], tail_ref[rows])
+        do = do_ref[rows, :]
+        # Through (5) and (6): du = scale P^T dO + (E (.) K) dS_1; through (4): d(beta y) = T^T du.
+        du = cfg.scale * _dot(p_ref[rows, :], do, ta=True, mode=mode) + _dot(bound.e * k, ds, mode=mode)
+        dx = _dot(t_ref[rows, :], du, ta=True, mode=mode)
+        return (bound.gamma[:, None] * ds + cfg.scale * _dot(bound.a * q, do, ta=True, mode=mode)
+                - _dot(bound.a * k, beta_ref[rows][:, None] * dx, ta=True, mode=mode))
+
+    dh0_ref[...] = lax.fori_loop(0, nt, chunk, dfinal_ref[...])
+
+
+def _reverse_pass(cfg, q, k, beta, g, glo, carry, tail, t, p, do, dfinal):
+    B, Tp, _, K = q.shape
+    Hv, V = do.shape[2], do.shape[3]
+    BV = min(cfg.block_v, V)
+    nt = Tp // cfg.chunk_size
+    sp = _sequence_specs(cfg, Tp, K, BV)
+    return pl.pallas_call(
+        functools.partial(_reverse_kernel, cfg=cfg, nt=nt),
+        grid=(V // BV, B * Hv),
+        in_specs=[sp["key"], sp["key"], sp["gate"], sp["channel"], sp["channel"], sp["seq"], sp["seq"],
+                  sp["square"], sp["square"], sp["value"], sp["state"]],
+        out_specs=[sp["state"], sp["states"]],
+        out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32)],
+        compiler_params=_params(cfg.warps, cfg.stages),
+        interpret=cfg.interpret,
+        name="kda_reverse",
+    )(q, k, beta, g, glo, carry, tail, t, p, do, dfinal)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The chunk-parallel gradients
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _grad_v_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, doc_ref, carry_ref, tail_ref, t_ref, p_ref,
+                   s0_ref, dend_ref, do_ref, dv_ref, dq_ref, dk_ref, dg_ref, de_ref, dbeta_ref, dp_ref, dm_ref, *,
+                   cfg: Config):
+    """The V-contractions of one chunk (a loop over V blocks): dv, and the state/boundary terms of dq, dk, dG,
+    dbeta with dE; dP (scaled, masked s <= t) and dL/d(diag(beta) R) (masked s < t) for the pair kernel."""
+    C, mode = cfg.chunk_size, cfg.dots
+    K, V = k_ref.shape[-1], v_ref.shape[-1]
+    BV = min(cfg.grad_block_v, V)
+    geo = _geometry(C)
+    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+    beta = beta_ref[...]
+    bound = _boundary(geo, g_ref[...], glo_ref[...], carry_ref[...], tail_ref[...])
+    a, e = bound.a, bound.e
+    ka, ke = a * k, e * k
+
+    def v_block(j, acc):
+        dqa, dka, dke, dp, dm, dbeta, dgamma = acc
+        cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
+        s0, dend, do = s0_ref[:, cols], dend_ref[:, cols], do_ref[:, cols]
+        t = t_ref[...]
+        y = v_ref[:, cols].astype(F32) - _dot(ka, s0, mode=mode)
+        u = _dot(t, beta[:, None] * y, mode=mode)
+        du = cfg.scale * _dot(p_ref[...], do, ta=True, mode=mode) + _dot(ke, dend, mode=mode)
+        dx = _dot(t, du, ta=True, mode=mode)  # dL/d(beta y)
+        dv_ref[:, cols] = (beta[:, None] * dx).astype(dv_ref.dtype)
+        dqa = dqa + _dot(do, s0, tb=True, mode=mode)  # / scale
+        dka = dka - _dot(beta[:, None] * dx, s0, tb=True, mode=mode)
+        dke = dke + _dot(u, dend, tb=True, mode=mode)
+        dp = dp + _dot(do, u, tb=True, mode=mode)  # / scale
+        dm = dm - _dot(dx, u, tb=True, mode=mode)  # dL/d(diag(beta) R) = -T^T du u^T
+        dbeta = dbeta + jnp.sum(dx * y, axis=1)
+        dgamma = dgamma + jnp.sum(s0 * dend, axis=1)
+        return dqa, dka, dke, dp, dm, dbeta, dgamma
+
+    zeros = lambda *shape: jnp.zeros(shape, F32)
+    acc = (zeros(C, K), zeros(C, K), zeros(C, K), zeros(C, C), zeros(C, C), zeros(C), zeros(K))
+    dqa, dka, dke, dp, dm, dbeta, dgamma = lax.fori_loop(0, V // BV, v_block, acc)
+
+    incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
+    dqa = cfg.scale * dqa
+    dp_ref[...] = jnp.where(incl, cfg.scale * dp, 0.0)
+    dm_ref[...] = jnp.where(strict, dm, 0.0)
+    dbeta_ref[...] = dbeta
+    dq_ref[...] = a * dqa
+    dk_ref[...] = e * dke + a * dka
+    # dG through A = carry exp(G) and gamma = carry_C exp(G_C) (at the last token). E's share goes out separately
+    # (`de`): its gates are those after s, an exclusive cumsum done in XLA; routing it through dG (-x at s, +x at
+    # C) would cancel in the reverse cumsum and leave O(eps x) where d(log_decay) ~ exp(-20).
+    dg_ref[...] = (a * (q * dqa + k * dka)
+                   + jnp.where(geo.rows == C - 1, (bound.gamma * dgamma)[None, :], 0.0))
+    de_ref[...] = k * dke * e
+
+
+def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, r_ref, dp_ref, dm_ref, dq_in_ref, dk_in_ref,
+                      dg_in_ref, dbeta_in_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, cfg: Config):
+    """The pair terms of one chunk in 16 x 16 blocks, added to the V kernel's partials:
+
+    left(M, B)_tc = sum_{s<t} M_ts B_sc D_tsc (M = dP with B = K, M = dR with B = K) and
+    right_sc = sum_{t>s} (dP_ts Q_tc + dR_ts K_tc) D_tsc; blocks i > j fold the reference split into the operands
+    of 16 x 16 x K dots, diagonal blocks loop over the partner token c with the exact exponent. The pairs s = t
+    (decay 1, only in dP) feed dq and dk but not dG (sending +x and -x through two roundings would leave O(eps x)
+    in dG, which swamps d(log_decay) ~ exp(-20) when gates are -20).
+    """
+    C, mode = cfg.chunk_size, cfg.dots
+    K = q_ref.shape[-1]
+    nb = C // SUB
+    rows, cols = _iota(SUB, SUB, 0), _iota(SUB, SUB, 1)
+    offset = lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+    block = lambda ref, i, j: ref[_blk(i), _blk(j)]
+    row_block = lambda ref, i: ref[_blk(i), :].astype(F32)
+    right = [jnp.zeros((SUB, K), F32) for _ in range(nb)]
+    dk_rest, dg_rest = [], []
+    for i in range(nb):
+        q_i, k_i = row_block(q_ref, i), row_block(k_ref, i)
+        gates_i = _gates(g_ref, glo_ref, _blk(i))
+        beta_i = beta_ref[_blk(i)][:, None]
+        dp_ii, dm_ii = block(dp_ref, i, i), block(dm_ref, i, i)
+        dr_ii = beta_i * dm_ii
+
+        def column(c, acc, i=i, gates_i=gates_i, dp_ii=dp_ii, dr_ii=dr_ii):
+            left_p, left_r, right_i = acc
+            row = pl.ds(i * SUB + c, 1)
+            q_c, k_c = q_ref[row, :].astype(F32), k_ref[row, :].astype(F32)
+            d = _partner_exponent(g_ref, glo_ref, gates_i, row)  # G_t - G_c
+            after, before = _masked_exp(offset > c, d), _masked_exp(offset < c, -d)
+            pick = lambda m: jnp.sum(jnp.where(cols == c, m, 0.0), axis=1)[:, None]  # m[:, c]
+            pick_t = lambda m: jnp.sum(jnp.where(rows == c, m, 0.0), axis=0)[:, None]  # m[c, :] as a column
+            left_p = left_p + pick(dp_ii) * k_c * after
+            left_r = left_r + pick(dr_ii) * k_c * after
+            right_i = right_i + (pick_t(dp_ii) * q_c + pick_t(dr_ii) * k_c) * before
+            return left_p, left_r, right_i
+
+        zeros = jnp.zeros((SUB, K), F32)
+        left_p, left_r, right[i] = lax.fori_loop(0, SUB, column, (zeros, zeros, right[i]))
+        dbeta = dbeta_in_ref[_blk(i)] + jnp.sum(dm_ii * block(r_ref, i, i), axis=1)
+        for j in range(i):
+            ref = _reference(g_ref, glo_ref, j)
+            to = _to_ref(gates_i, ref)
+            k_from = row_block(k_ref, j) * _from_ref(_gates(g_ref, glo_ref, _blk(j)), ref)
+            dp_ij, dm_ij = block(dp_ref, i, j), block(dm_ref, i, j)
+            dr_ij = beta_i * dm_ij
+            left_p = left_p + to * _dot(dp_ij, k_from, mode=mode)
+            left_r = left_r + to * _dot(dr_ij, k_from, mode=mode)
+            right[j] = right[j] + _from_ref(_gates(g_ref, glo_ref, _blk(j)), ref) * (
+                _dot(dp_ij, q_i * to, ta=True, mode=mode) + _dot(dr_ij, k_i * to, ta=True, mode=mode))
+            dbeta = dbeta + jnp.sum(dm_ij * block(r_ref, i, j), axis=1)
+        dp_self = jnp.sum(jnp.where(rows == cols, dp_ii, 0.0), axis=1)[:, None]
+        dq_ref[_blk(i), :] = dq_in_ref[_blk(i), :] + left_p + dp_self * k_i
+        dbeta_ref[_blk(i)] = dbeta
+        dk_rest.append(dk_in_ref[_blk(i), :] + left_r + dp_self * q_i)
+        dg_rest.append(dg_in_ref[_blk(i), :] + q_i * left_p + k_i * left_r)
+    for i in range(nb):
+        dk_ref[_blk(i), :] = dk_rest[i] + right[i]
+        dg_ref[_blk(i), :] = dg_rest[i] - row_block(k_ref, i) * right[i]
+
+
+def _grads(cfg, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do):
+    B, Tp, _, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    C = cfg.chunk_size
+    sp = _chunk_specs(cfg, K, V)
+    grid = (Tp // C, B * Hv)
+    per_channel = jax.ShapeDtypeStruct((B, Tp, Hv, K), F32)
+    per_token = jax.ShapeDtypeStruct((B, Tp, Hv), F32)
+    square = jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)
+    dv, dq, dk, dg, de, dbeta, dp, dm = pl.pallas_call(
+        functools.partial(_grad_v_kernel, cfg=cfg),
+        grid=grid,
+        in_specs=[sp["key"], sp["key"], sp["value"], sp["gate"], sp["channel"], sp["channel"], sp["seq"], sp["seq"],
+                  sp["seq"], sp["square"], sp["square"], sp["state"], sp["state"], sp["value"]],
+        out_specs=[sp["value"], sp["channel"], sp["channel"], sp["channel"], sp["channel"], sp["gate"],
+                   sp["square"], sp["square"]],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), per_channel, per_channel, per_channel,
+                   per_channel, per_token, square, square],
+        compiler_params=_params(cfg.grad_warps, cfg.stages),
+        interpret=cfg.interpret,
+        name="kda_grads_v",
+    )(q, k, v, beta, g, glo, doc, carry, tail, t, p, starts, dends, do)
+    dq, dk, dg, dbeta = pl.pallas_call(
+        functools.partial(_grad_pair_kernel, cfg=cfg),
+        grid=grid,
+        in_specs=[sp["key"], sp["key"], sp["channel"], sp["channel"], sp["gate"], sp["square"], sp["square"],
+                  sp["square"], sp["channel"], sp["channel"], sp["channel"], sp["gate"]],
+        out_specs=[sp["channel"], sp["channel"], sp["channel"], sp["gate"]],
+        out_shape=[per_channel, per_channel, per_channel, per_token],
+        compiler_params=_params(cfg.pair_warps, cfg.stages),
+        interpret=cfg.interpret,
+        name="kda_grads_pairs",
+    )(q, k, g, glo, beta, r, dp, dm, dq, dk, dg, dbeta)
+    return dq, dk, dv, dbeta, dg, de
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# custom_vjp glue
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _cumulative(cfg, log_decay):
+    """Compensated in-chunk cumsum (hi, lo) of log_decay [B, Tp, Hv, K]."""
+    B, Tp, Hv, K = log_decay.shape
+    C = cfg.chunk_size
+    g = CumulativeLogDecay.of(log_decay.reshape(B, Tp // C, C, Hv, K), axis=2)
+    return g.hi.reshape(B, Tp, Hv, K), g.lo.reshape(B, Tp, Hv, K)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kda(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
+    g, glo = _cumulative(cfg, log_decay)
+    t, p = _prepare(cfg, q, k, g, glo, beta, doc)
+    return tuple(_forward_pass(cfg, q, k, v, beta, g, glo, carry, tail, t, p, h0, with_states=False))
+
+
+def _kda_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
+    # Residuals: the inputs, P, T and R (C x C per chunk) and the chunk start states (K x V fp32 per chunk).
+    g, glo = _cumulative(cfg, log_decay)
+    t, p, r = _prepare(cfg, q, k, g, glo, beta, doc, with_r=True)
+    o, final, starts = _forward_pass(cfg, q, k, v, beta, g, glo, carry, tail, t, p, h0, with_states=True)
+    return (o, final), (q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts)
+
+
+def _kda_bwd(cfg, residuals, cotangents):
+    q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts = residuals
+    do, dfinal = cotangents
+    do = do.astype(v.dtype)
+    dh0, dends = _reverse_pass(cfg, q, k, beta, g, glo, carry, tail, t, p, do, dfinal.astype(F32))
+    dq, dk, dv, dbeta, dg, de = _grads(cfg, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do)
+    B, Tp, H, K = q.shape
+    Hv, C = cfg.value_heads, cfg.chunk_size
+    G = Hv // H
+    # One key head's gradient sums over its value heads.
+    dq = dq.reshape(B, Tp, H, G, K).sum(3)
+    dk = dk.reshape(B, Tp, H, G, K).sum(3)
+    # G_t = sum_{r <= t} log_decay_r inside a chunk: d(log_decay)_r = sum_{t >= r} dG_t (reverse cumsum), and
+    # E_s depends on the gates r > s: its share is sum_{s < r} de_s (the shifted cumsum, never cumsum - de).
+    chunks = lambda x: x.reshape(B, Tp // C, C, Hv, K)
+    dg, de = chunks(dg), chunks(de)
+    d_step = jnp.flip(jnp.cumsum(jnp.flip(dg, 2), axis=2), 2)
+    d_step = d_step + jnp.cumsum(jnp.pad(de[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0), (0, 0))), axis=2)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbeta.astype(beta.dtype),
+            d_step.reshape(B, Tp, Hv, K).astype(F32), None, None, None, dh0)
+
+
+_kda.defvjp(_kda_fwd, _kda_bwd)
+_kda_jit = jax.jit(_kda, static_argnums=0)  # eager callers compile once per configuration and shapes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry point (the rules' signature)
+# ---------------------------------------------------------------------------------------------------------------
+
+BLOCK_V = 64
+GRAD_BLOCK_V = 32
+
+
+def default_config(q, v, *, scale, chunk_size, segmented, interpret):
+    """fp32 inputs get IEEE fp32 products everywhere; 16-bit inputs the bf16x3 "split" products."""
+    V = _pow2_at_least_16(v.shape[3])
+    fp32 = jnp.dtype(q.dtype) == jnp.float32
+    return Config(scale=float(scale), chunk_size=int(chunk_size), key_heads=q.shape[2], value_heads=v.shape[2],
+                  segmented=segmented, dots="highest" if fp32 else "split", inverse="rows" if fp32 else "blocks",
+                  prepare="partner",
+                  block_v=min(BLOCK_V, V), grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=4,
+                  grad_warps=4, pair_warps=8, stages=2, interpret=interpret)
+
+
+def _pow2_at_least_16(n):
+    """Triton arrays need power-of-two sizes, and dots want sides >= 16."""
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def _pad(x, time=0, last=0, mode="constant"):
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, time)
+    if last:
+        widths[-1] = (0, last)
+    return jnp.pad(x, widths, mode=mode) if time or last else x
+
+
+def _validate(q, k, v, beta, log_decay, initial_state, segment_ids, chunk_size):
+    if q.ndim != 4:
+        raise ValueError(f"q must have shape [B, T, H, K], got {q.shape}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {q.shape}, got {k.shape}")
+    if v.ndim != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v must have shape [B, T, Hv, V] with B, T = {B, T}, got {v.shape}")
+    Hv, V = v.shape[2], v.shape[3]
+    if H < 1 or Hv % H:
+        raise ValueError(f"v's heads ({Hv}) must be a multiple of q/k's heads ({H})")
+    if beta is None:
+        raise ValueError("beta must be given: the KDA kernels implement the delta rule")
+    if beta.shape != (B, T, Hv):
+        raise ValueError(f"beta must have shape [B, T, Hv] = {(B, T, Hv)}, got {beta.shape}")
+    if log_decay is None or log_decay.shape != (B, T, Hv, K):
+        raise ValueError(f"log_decay must have shape [B, T, Hv, K] = {(B, T, Hv, K)} (one decay per key channel), "
+                         f"got {None if log_decay is None else log_decay.shape}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.dtype(x.dtype).name not in INPUT_DTYPES:
+            raise ValueError(f"{name} must have a dtype in {INPUT_DTYPES}, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
+        raise ValueError(f"key and value dims must be in [1, {MAX_HEAD_DIM}], got K={K} (q) and V={V} (v)")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
+    if initial_state is not None and initial_state.shape != (B, Hv, K, V):
+        raise ValueError(f"initial_state must have shape [B, Hv, K, V] = {(B, Hv, K, V)}, got {initial_state.shape}")
+    if segment_ids is not None and segment_ids.shape != (B, T):
+        raise ValueError(f"segment_ids must have shape [B, T] = {(B, T)}, got {segment_ids.shape}")
+
+
+def kda_chunk(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64,
+              state_passing="sequential", interpret=None, config=None):
+    """The delta rule with log_decay [B, T, Hv, K] (<= 0) through the Triton kernels; shapes as in `dispatch`.
+
+    q, k [B, T, H, K]; v [B, T, Hv, V]; beta [B, T, Hv]; initial_state [B, Hv, K, V] or None; segment_ids [B, T]
+    or None. Returns (o [B, T, Hv, V] in v.dtype, final state [B, Hv, K, V] float32). `state_passing` is accepted
+    for the common signature; the kernels always pass states sequentially. `interpret` defaults to "not on a GPU".
+    """
+    del state_passing
+    _validate(q, k, v, beta, log_decay, initial_state, segment_ids, chunk_size)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    B, T, H, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    C = chunk_size
+    nt = -(-T // C)
+    pad = nt * C - T
+    Kp, Vp = _pow2_at_least_16(K), _pow2_at_least_16(V)
+    cfg = config or default_config(q, v, scale=scale, chunk_size=C, segmented=segment_ids is not None,
+                                   interpret=interpret)
+    # Padded tokens have k = v = 0, beta = 0 and no decay: they leave the state unchanged. Padded channels have
+    # q = k = 0 and no decay, so they stay zero in the state and in every product.
+    qp, kp = _pad(q, pad, Kp - K), _pad(k, pad, Kp - K)
+    vp = _pad(v, pad, Vp - V)
+    beta_p = _pad(beta.astype(F32), pad)
+    log_decay_p = _pad(log_decay.astype(F32), pad, Kp - K)
+    doc = _pad(document_index(segment_ids, B, T), pad, mode="edge")
+    chunks = doc.reshape(B, nt, C)
+    before = jnp.concatenate([chunks[:, :1, :1], chunks[:, :-1, -1:]], axis=1)  # last doc of the previous chunk
+    carry = (chunks == before).astype(F32).reshape(B, nt * C)
+    tail = (chunks == chunks[:, :, -1:]).astype(F32).reshape(B, nt * C)
+    if initial_state is None:
+        h0 = jnp.zeros((B, Hv, Kp, Vp), F32)
+    else:
+        h0 = jnp.pad(initial_state.astype(F32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V)))
+    o, final = _kda_jit(cfg, qp, kp, vp, beta_p, log_decay_p, doc, carry, tail, h0)
+    return o[:, :T, :, :V].astype(v.dtype), final[:, :, :K, :V]

@@ -1,0 +1,460 @@
+"""The Pallas Triton KDA kernels (`kernels/gpu/kda.py`, per-key-channel decay) against the fp32 token-by-token scan.
+
+On CPU: the kernels in Pallas's interpreter at float32 (outputs/state <= 1e-5, gradients <= 1e-4 relative), the
+16-bit ("split" products) path at the bf16 bounds, bad input, the dispatch registration, and every supported
+configuration lowered for CUDA with an abstract H100 (catches what interprets but cannot compile). On a GPU: the
+same comparisons compiled, bf16 against the scan on the same bf16-rounded inputs, and through the dispatch. Every
+comparison prints its errors (`pytest -s` shows them).
+"""
+
+import dataclasses
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+import deltajax
+from deltajax.kernels import gpu as pallas_gpu
+from deltajax.kernels.gpu.kda import default_config, kda_chunk
+from deltajax.kernels.gpu.wy_chunk import chunk_wy
+from deltajax.rules import dispatch
+from deltajax.rules.scan import recurrent_scan
+from testing_utils import fresh_key, relative_error, rule_inputs
+
+warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
+
+ON_GPU = jax.default_backend() == "gpu"
+FP32_OUT_TOL, FP32_GRAD_TOL = 1e-5, 1e-4
+BF16_OUT_TOL, BF16_GRAD_TOL, BF16_GATE_GRAD_TOL = 3e-3, 6e-3, 1e-2
+ARG_NAMES = ("q", "k", "v", "beta", "log_decay", "initial_state")
+
+
+def _kernel(**kwargs):
+    return lambda *a, **kw: kda_chunk(*a, **kw, interpret=not ON_GPU, **kwargs)
+
+
+def _call(fn, x):
+    """fn on x under one jit (op-by-op dispatch would compile every small op separately on a GPU)."""
+    arrays = {n: a for n, a in x.items() if isinstance(a, jax.Array)}
+    static = {n: a for n, a in x.items() if n not in arrays}
+    return jax.jit(lambda a: _call_eager(fn, dict(static, **a)))(arrays)
+
+
+def _call_eager(fn, x):
+    return fn(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], scale=x.get("scale", 0.3),
+              initial_state=x["initial_state"], segment_ids=x["segment_ids"])
+
+
+def _weights(shape, seed):
+    """A fixed, non-constant cotangent (so every output element matters)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return jnp.cos(0.37 * jnp.arange(n, dtype=jnp.float32) + seed).reshape(shape)
+
+
+def _grads(fn, x):
+    """Gradients of <o, W_o> + <final_state, W_s> w.r.t. every differentiable input present."""
+    names = [n for n in ARG_NAMES if x[n] is not None]
+
+    def loss(*args):
+        o, s = _call(fn, dict(x, **dict(zip(names, args))))
+        return jnp.sum(o.astype(jnp.float32) * _weights(o.shape, 1.0)) + jnp.sum(s * _weights(s.shape, 2.0))
+
+    return dict(zip(names, jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))(*[x[n] for n in names])))
+
+
+def _fp32_grad_tol(name):
+    return FP32_GRAD_TOL
+
+
+def _bf16_grad_tol(name):
+    return BF16_GATE_GRAD_TOL if name in ("beta", "log_decay") else BF16_GRAD_TOL
+
+
+def _check(x, out_tol, grad_tols, fn=None, label=""):
+    """Kernel vs the fp32 scan on the same (possibly bf16-rounded) inputs."""
+    fn = fn or _kernel()
+    ref_inputs = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
+    o, s = _call(fn, x)
+    o_ref, s_ref = _call(recurrent_scan, ref_inputs)
+    assert o.dtype == x["v"].dtype and s.dtype == jnp.float32
+    assert o.shape == o_ref.shape and s.shape == s_ref.shape
+    errors = {"o": relative_error(o, o_ref), "state": relative_error(s, s_ref)}
+    grads = {}
+    if grad_tols is not None:
+        grads, grads_ref = _grads(fn, x), _grads(recurrent_scan, ref_inputs)
+        for name, g in grads.items():
+            assert g.shape == x[name].shape and g.dtype == x[name].dtype, name
+            errors["d" + name] = relative_error(g, grads_ref[name])
+    print(f"{label}: " + " ".join(f"{name}={err:.2e}" for name, err in errors.items()))
+    assert errors["o"] <= out_tol and errors["state"] <= out_tol, errors
+    for name in grads:
+        assert errors["d" + name] <= grad_tols(name), (name, errors)
+
+
+def _inputs(key=None, *, T, H=1, Hv=2, K=16, V=16, B=2, packed=True, init=True, dtype=jnp.float32, **kwargs):
+    return rule_inputs(fresh_key() if key is None else key, B=B, T=T, H=H, Hv=Hv, K=K, V=V, decay="channel",
+                       beta_max=2.0, packed=packed, with_initial_state=init, dtype=dtype, **kwargs)
+
+
+def _round_trip_bf16(x):
+    """bf16 q/k/v; the fp32 reference sees the same rounded values."""
+    return dict(x, **{n: x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Interpreter (CPU) or compiled (GPU): fp32 against the scan
+# ---------------------------------------------------------------------------------------------------------------
+
+# T, packed, initial state, (H, Hv), (K, V): awkward lengths, packing, GVA, beta up to 2, padded channels.
+CPU_CASES = [
+    (1, False, True, (2, 2), (16, 16)),
+    (63, True, False, (1, 2), (16, 32)),
+    (65, False, True, (2, 4), (32, 16)),
+    (300, True, True, (1, 2), (16, 16)),
+    (100, True, True, (1, 1), (20, 12)),
+]
+
+
+@pytest.mark.parametrize("T,packed,init,heads,dims", CPU_CASES,
+                         ids=[f"T{c[0]}-{'packed' if c[1] else 'dense'}-{'init' if c[2] else 'zero'}"
+                              f"-H{c[3][0]}Hv{c[3][1]}-K{c[4][0]}V{c[4][1]}" for c in CPU_CASES])
+def test_matches_scan_fp32(T, packed, init, heads, dims):
+    x = _inputs(T=T, H=heads[0], Hv=heads[1], K=dims[0], V=dims[1], packed=packed, init=init)
+    _check(x, FP32_OUT_TOL, _fp32_grad_tol, label=f"T{T}")
+
+
+def _adversarial(family, key=None, dtype=jnp.float32, **shape):
+    shape = {**dict(B=1, T=130, H=1, Hv=2, K=16, V=16), **shape}
+    key = fresh_key() if key is None else key
+    x = _inputs(key, dtype=dtype, **shape)
+    B, T, Hv = x["beta"].shape
+    K = shape["K"]
+    ks = jax.random.split(jax.random.fold_in(key, 7), 4)
+    gate_shape = (B, T, Hv, K)
+    if family == "decay_minus_20":
+        # Every channel of every token: exp(G) underflows within five tokens; any positive exponent overflows.
+        x["log_decay"] = jnp.full(gate_shape, -20.0, jnp.float32)
+    elif family == "mixed_minus_20_and_near_0":
+        # Half the channels at -20, the others near 0 with random -20 events: a strong and a weak gate in one
+        # chunk, and pairs whose decay is ~1 after a -20 in the cumulative sum.
+        strong = (jax.random.bernoulli(ks[0], 0.5, (1, 1, Hv, K))
+                  | jax.random.bernoulli(ks[1], 0.1, gate_shape))
+        x["log_decay"] = jnp.where(strong, jnp.float32(-20.0), -1e-4 * jax.random.uniform(ks[2], gate_shape))
+    elif family == "correlated_keys_beta_near_2":
+        base = jax.random.normal(ks[0], (1, 1, shape["H"], K))
+        k = base + 0.02 * jax.random.normal(ks[1], x["k"].shape)
+        x["k"] = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(dtype)
+        x["beta"] = jax.random.uniform(ks[2], (B, T, Hv), minval=1.9, maxval=1.999)
+        x["log_decay"] = -1e-6 * jax.random.uniform(ks[3], gate_shape)
+    else:
+        raise ValueError(family)
+    return x
+
+
+ADVERSARIAL = ("decay_minus_20", "mixed_minus_20_and_near_0", "correlated_keys_beta_near_2")
+
+
+def _chunk_form_error(x):
+    """Outputs/state error of the XLA chunk form (`impl="chunk"`) against the fp32 scan on x."""
+    args = (x["q"], x["k"], x["v"], x["beta"], x["log_decay"])
+    kw = dict(scale=x.get("scale", 0.3), initial_state=x["initial_state"], segment_ids=x["segment_ids"])
+    o, s = deltajax.kda(*args, impl="chunk", **kw)
+    o_ref, s_ref = deltajax.kda(*args, impl="scan", **kw)
+    return max(relative_error(o, o_ref), relative_error(s, s_ref))
+
+
+@pytest.mark.parametrize("family", ADVERSARIAL)
+def test_adversarial_fp32(family):
+    x = _adversarial(family)
+    out_tol = FP32_OUT_TOL
+    if family == "correlated_keys_beta_near_2":
+        # Keys 0.02 apart with beta near 2 make (I + A)^-1 large, and every chunked form sums u = T(...) terms that
+        # cancel: the XLA chunk form itself lands at 1e-6 to 1e-5 of the scan on these inputs (about 1 draw in 14
+        # above 1e-5 for this kernel, 9.6e-6 for the chunk form on the same draw). The bound is therefore 1e-5 or
+        # twice the chunk form's own error on the same draw, whichever is larger; gradients keep 1e-4.
+        out_tol = max(FP32_OUT_TOL, 2.0 * _chunk_form_error(x))
+    _check(x, out_tol, _fp32_grad_tol, label=family)
+
+
+def test_equal_channels_match_the_scalar_gated_deltanet_scan():
+    """KDA with every channel's decay equal is Gated DeltaNet: the kernel vs the scalar-decay scan."""
+    x = rule_inputs(fresh_key(), B=2, T=130, H=1, Hv=2, K=16, V=16, decay="scalar", beta_max=2.0, packed=True,
+                    with_initial_state=True)
+    scalar = x["log_decay"]
+    channel = jnp.broadcast_to(scalar[..., None], scalar.shape + (16,))
+    o, s = _call(_kernel(), dict(x, log_decay=channel))
+    o_ref, s_ref = _call(recurrent_scan, x)
+    grads = _grads(_kernel(), dict(x, log_decay=channel))
+    grads["log_decay"] = jnp.sum(grads["log_decay"], axis=-1)  # the scalar gate drives every channel
+    grads_ref = _grads(recurrent_scan, x)
+    errors = {"o": relative_error(o, o_ref), "state": relative_error(s, s_ref)}
+    errors.update({"d" + n: relative_error(grads[n], grads_ref[n]) for n in grads_ref})
+    print("equal_channels_vs_scalar_scan: " + " ".join(f"{n}={e:.2e}" for n, e in errors.items()))
+    assert errors["o"] <= FP32_OUT_TOL and errors["state"] <= FP32_OUT_TOL, errors
+    assert all(errors["d" + n] <= FP32_GRAD_TOL for n in grads_ref), errors
+
+
+@pytest.mark.parametrize("chunk_size", [16, 128])
+def test_other_chunk_sizes(chunk_size):
+    """C = 16 is one sub-chunk (no reference split, one diagonal inverse block); C = 128 has eight."""
+    x = _inputs(T=100, B=1)
+    fn = lambda *a, **kw: kda_chunk(*a, **kw, chunk_size=chunk_size, interpret=not ON_GPU)
+    _check(x, FP32_OUT_TOL, _fp32_grad_tol, fn=fn, label=f"C{chunk_size}")
+
+
+@pytest.mark.parametrize("overrides", [dict(inverse="blocks"), dict(prepare="blocks"),
+                                       dict(prepare="blocks", inverse="blocks"), dict(block_v=32, grad_block_v=16)],
+                         ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks"])
+def test_config_variants_fp32(overrides):
+    """`Config.inverse="blocks"` (16 x 16 substitutions + block merges, the 16-bit default), the 16 x 16 block
+    prepare kernel and other V blocks meet the fp32 bounds on ordinary input."""
+    x = _inputs(T=130, B=1, V=64)
+    cfg = default_config(x["q"], x["v"], scale=0.3, chunk_size=64, segmented=True, interpret=not ON_GPU)
+    assert cfg.inverse == "rows"  # the fp32 default
+    fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, **overrides))
+    _check(x, FP32_OUT_TOL, _fp32_grad_tol, fn=fn, label=str(overrides))
+    with pytest.raises(ValueError, match="inverse"):
+        _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, inverse="neumann")), x)
+    with pytest.raises(ValueError, match="prepare"):
+        _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, prepare="dense")), x)
+
+
+def test_bf16_split_products_in_interpreter():
+    """The 16-bit path (bf16x3 "split" products) at the bf16 bounds, on the same rounded inputs."""
+    x = _round_trip_bf16(_inputs(T=130, B=1, K=32, V=32))
+    x["scale"] = 32 ** -0.5
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, label="bf16-interpreter")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input names the argument
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _bad(x, change):
+    x = dict(x)
+    B, T, H, K = x["q"].shape
+    Hv, V = x["v"].shape[2:]
+    if change == "beta_none":
+        x["beta"] = None
+    elif change == "log_decay_scalar":
+        x["log_decay"] = x["log_decay"][..., 0]
+    elif change == "log_decay_none":
+        x["log_decay"] = None
+    elif change == "k_shape":
+        x["k"] = x["k"][:, :, :, :8]
+    elif change == "v_heads":
+        x["v"] = jnp.zeros((B, T, 3, V))
+    elif change == "beta_shape":
+        x["beta"] = x["beta"][:, :-1]
+    elif change == "initial_state_shape":
+        x["initial_state"] = jnp.zeros((B, Hv, K, V + 1))
+    elif change == "segment_ids_shape":
+        x["segment_ids"] = x["segment_ids"][:, :-1]
+    elif change == "q_dtype":
+        x = dict(x, q=x["q"].astype(jnp.int32))
+    return x
+
+
+@pytest.mark.parametrize("change,match", [
+    ("beta_none", "beta"), ("log_decay_scalar", "log_decay"), ("log_decay_none", "log_decay"), ("k_shape", "k must"),
+    ("v_heads", "heads"), ("beta_shape", "beta"), ("initial_state_shape", "initial_state"),
+    ("segment_ids_shape", "segment_ids"), ("q_dtype", "q must"),
+])
+def test_bad_input_raises(change, match):
+    x = _bad(_inputs(key=jax.random.PRNGKey(0), T=8, B=1, H=2, Hv=2), change)
+    with pytest.raises(ValueError, match=match):
+        _call(_kernel(), x)
+
+
+def test_bad_chunk_size_raises():
+    x = _inputs(key=jax.random.PRNGKey(0), T=8, B=1)
+    with pytest.raises(ValueError, match="chunk_size"):
+        kda_chunk(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], scale=1.0, initial_state=None,
+                  segment_ids=None, chunk_size=48, interpret=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dispatch registration
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rule_call(**overrides):
+    base = dict(op="delta_rule", batch=2, seq_len=100, key_heads=2, value_heads=4, key_dim=128, value_dim=128,
+                dtype="bfloat16", decay="channel", has_initial_state=True, has_segment_ids=True, chunk_size=64,
+                platform="gpu")
+    return dispatch.RuleCall(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("overrides,accepted", [
+    ({}, True),
+    (dict(key_dim=64, value_dim=64, has_segment_ids=False, has_initial_state=False), True),
+    (dict(key_dim=64, value_dim=128, seq_len=1), True),
+    (dict(platform="cpu"), False),
+    (dict(platform="tpu"), False),
+    (dict(op="linear_attention"), False),
+    (dict(decay="scalar"), False),
+    (dict(decay="none"), False),
+    (dict(dtype="float16"), False),
+    (dict(dtype="float64"), False),
+    (dict(chunk_size=32), False),
+    (dict(key_dim=96), False),
+    (dict(key_dim=256), False),
+    (dict(value_dim=32), False),
+    (dict(value_heads=3), False),
+    (dict(key_heads=0), False),
+    (dict(batch=1 << 14), False),
+])
+def test_supports_kda_fails_closed(overrides, accepted):
+    call = _rule_call(**overrides)
+    assert pallas_gpu.supports_kda(call) is accepted
+    if call.decay == "channel":  # KDA calls reach "pallas" only through supports_kda
+        assert pallas_gpu.supports_delta_rule(call) is accepted
+
+
+def test_registration_keeps_the_scalar_kernels_and_routes_kda():
+    delta = dispatch.implementations("delta_rule")["pallas"]
+    assert delta.fn is pallas_gpu.chunked_delta_rule and delta.supports is pallas_gpu.supports_delta_rule
+    assert dispatch.implementations("linear_attention")["pallas"].fn is chunk_wy
+    scalar = _rule_call(decay="scalar")
+    assert pallas_gpu.supports(scalar) and pallas_gpu.supports_delta_rule(scalar)
+    assert dispatch.select("delta_rule", "auto", _rule_call()).name == "pallas"
+    assert dispatch.select("delta_rule", "auto", _rule_call(platform="cpu")).name == "chunk"
+
+    # The router: a 4-D log_decay goes to the KDA kernels, a 3-D one to chunk_wy (both interpreted off a GPU).
+    x = _inputs(T=70, B=1)
+    kw = dict(scale=0.3, initial_state=x["initial_state"], segment_ids=x["segment_ids"])
+    args = (x["q"], x["k"], x["v"], x["beta"])
+    o, s = pallas_gpu.chunked_delta_rule(*args, x["log_decay"], **kw)
+    o_ref, s_ref = recurrent_scan(*args, x["log_decay"], **kw)
+    assert relative_error(o, o_ref) <= FP32_OUT_TOL and relative_error(s, s_ref) <= FP32_OUT_TOL
+    scalar_decay = x["log_decay"][..., 0]
+    o, s = pallas_gpu.chunked_delta_rule(*args, scalar_decay, **kw)
+    o_wy, s_wy = chunk_wy(*args, scalar_decay, interpret=not ON_GPU, **kw)
+    assert jnp.array_equal(o, o_wy) and jnp.array_equal(s, s_wy)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Lowering for CUDA on CPU (abstract H100), forward and gradients
+# ---------------------------------------------------------------------------------------------------------------
+
+H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
+                    abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                                   platform="gpu"))
+
+
+def _lower_for_cuda(K, V, dtype, *, T=130, segmented=True, init=True, overrides=None):
+    """(Triton calls in the forward, in the forward + gradients)."""
+    B, H, Hv = 1, 2, 4
+    q = jax.ShapeDtypeStruct((B, T, H, K), dtype)
+    v = jax.ShapeDtypeStruct((B, T, Hv, V), dtype)
+    beta = jax.ShapeDtypeStruct((B, T, Hv), jnp.float32)
+    log_decay = jax.ShapeDtypeStruct((B, T, Hv, K), jnp.float32)
+    h0 = jax.ShapeDtypeStruct((B, Hv, K, V), jnp.float32) if init else None
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32) if segmented else None
+
+    def loss(q, k, v, beta, log_decay, h0, ids):
+        config = None
+        if overrides:
+            config = dataclasses.replace(default_config(q, v, scale=0.1, chunk_size=64, segmented=ids is not None,
+                                                        interpret=False), **overrides)
+        o, s = kda_chunk(q, k, v, beta, log_decay, scale=0.1, initial_state=h0, segment_ids=ids, interpret=False,
+                         config=config)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    argnums = (0, 1, 2, 3, 4) + ((5,) if init else ())
+    counts = []
+    for fn in (jax.jit(loss), jax.jit(jax.value_and_grad(loss, argnums=argnums))):
+        with jax.sharding.use_abstract_mesh(H100):
+            text = fn.trace(q, q, v, beta, log_decay, h0, ids).lower(lowering_platforms=("cuda",)).as_text()
+        counts.append(text.count("__gpu$xla.gpu.triton"))
+    return tuple(counts)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_lowers_for_cuda_every_supported_config(dtype):
+    # Forward: prepare, forward pass. With gradients: prepare, forward pass with states, reverse pass, the V and
+    # the pair gradient kernels.
+    for K, V in itertools.product(pallas_gpu.KDA_HEAD_DIMS, repeat=2):
+        assert _lower_for_cuda(K, V, jnp.dtype(dtype)) == (2, 5), (K, V, dtype)
+
+
+def test_lowers_for_cuda_flags():
+    for segmented, init in itertools.product((False, True), repeat=2):
+        assert _lower_for_cuda(128, 128, jnp.bfloat16, T=64, segmented=segmented, init=init) == (2, 5)
+
+
+# Every config knob a sweep may set (experiments/bench_kda_gpu.py): both inverses, warps, V blocks, stages.
+CONFIG_VARIANTS = {
+    "rows": dict(inverse="rows"),
+    "blocks": dict(inverse="blocks"),
+    "prep_blocks": dict(prepare="blocks", inverse="blocks"),
+    "prep_blocks_rows": dict(prepare="blocks", inverse="rows"),
+    "warps": dict(warps=8, prepare_warps=8, grad_warps=8, pair_warps=4),
+    "few_warps": dict(warps=2, prepare_warps=2, grad_warps=2, pair_warps=2),
+    "blocks_v": dict(block_v=32, grad_block_v=64),
+    "stages": dict(stages=3),
+}
+
+
+@pytest.mark.parametrize("variant", list(CONFIG_VARIANTS))
+def test_lowers_for_cuda_config_variants(variant):
+    for dtype in (jnp.bfloat16, jnp.float32):
+        assert _lower_for_cuda(128, 128, dtype, T=64, overrides=CONFIG_VARIANTS[variant]) == (2, 5), dtype
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU only: compiled kernels, bf16 tolerances, through the dispatch
+# ---------------------------------------------------------------------------------------------------------------
+
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+
+# T, packed, initial state, (H, Hv), (K, V)
+GPU_CASES = [
+    (1000, True, True, (2, 4), (128, 128)),
+    (1, False, True, (2, 2), (128, 128)),
+    (300, False, False, (2, 2), (64, 128)),
+    (257, True, True, (1, 2), (128, 64)),
+]
+
+
+@gpu_only
+@pytest.mark.parametrize("T,packed,init,heads,dims", GPU_CASES)
+def test_gpu_bf16_matches_scan(T, packed, init, heads, dims):
+    x = _inputs(T=T, H=heads[0], Hv=heads[1], K=dims[0], V=dims[1], packed=packed, init=init)
+    x["scale"] = dims[0] ** -0.5
+    _check(_round_trip_bf16(x), BF16_OUT_TOL, _bf16_grad_tol, label=f"gpu-bf16-T{T}")
+
+
+@gpu_only
+@pytest.mark.parametrize("T,packed,init,heads,dims", GPU_CASES[:2])
+def test_gpu_fp32_matches_scan(T, packed, init, heads, dims):
+    x = _inputs(T=T, H=heads[0], Hv=heads[1], K=dims[0], V=dims[1], packed=packed, init=init)
+    x["scale"] = dims[0] ** -0.5
+    _check(x, FP32_OUT_TOL, _fp32_grad_tol, label=f"gpu-fp32-T{T}")
+
+
+@gpu_only
+@pytest.mark.parametrize("family", ADVERSARIAL)
+def test_gpu_adversarial_bf16(family):
+    x = _round_trip_bf16(_adversarial(family, B=2, T=500, H=2, Hv=4, K=128, V=128))
+    x["scale"] = 128 ** -0.5
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, label=f"gpu-{family}")
+
+
+@gpu_only
+def test_gpu_dispatch_picks_pallas_for_kda():
+    x = _round_trip_bf16(_inputs(T=200, B=1, H=2, Hv=4, K=128, V=128))
+    call = dispatch.describe_call("delta_rule", x["q"], x["k"], x["v"], x["log_decay"], x["initial_state"],
+                                  x["segment_ids"], 64)
+    assert dispatch.select("delta_rule", "auto", call).name == "pallas"
+    args = (x["q"], x["k"], x["v"], x["beta"], x["log_decay"])
+    kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"])
+    o, s = deltajax.kda(*args, impl="pallas", **kw)
+    o_ref, s_ref = deltajax.kda(*(a.astype(jnp.float32) for a in args), impl="scan", **kw)
+    assert relative_error(o, o_ref) <= BF16_OUT_TOL and relative_error(s, s_ref) <= BF16_OUT_TOL

@@ -63,3 +63,21 @@ def last(x):
     """x[-1] of a 1-D value."""
     n = x.shape[0]
     return jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (n,), 0) == n - 1, x, 0))
+
+
+def unit_lower_inverse(a):
+    """(I + a)^-1 for a strictly lower n x n fp32 matrix, by forward substitution row by row (exact fp32; never a
+    Neumann series or doubling, whose powers of a overflow for correlated keys).
+
+    Invariant: after step i, rows 0..i of x are rows of the inverse; rows below are still identity rows, and
+    a[i, j] = 0 for j >= i, so they never contribute to row i.
+    """
+    n = a.shape[0]
+    rows, cols = iota2(n, n, 0), iota2(n, n, 1)
+
+    def step(i, x):
+        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # a[i, :]
+        row_i = jnp.sum(a_i[:, None] * x, axis=0)  # sum_j a[i, j] x[j, :]
+        return x - jnp.where(rows == i, row_i[None, :], 0.0)
+
+    return lax.fori_loop(1, n, step, jnp.where(rows == cols, 1.0, 0.0).astype(F32))

@@ -70,6 +70,7 @@ from jax.experimental import pallas as pl
 from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import last as _last
+from deltajax.kernels.gpu.common import unit_lower_inverse as _unit_lower_row_inverse
 from deltajax.rules.chunk import CumulativeLogDecay
 from deltajax.rules.common import document_index
 
@@ -230,23 +231,6 @@ def _pair_matrices(geo, pairs, g, glo, mode):
         return tuple(new)
 
     return list(lax.fori_loop(0, SUB, diagonal, tuple(out)))
-
-def _unit_lower_row_inverse(a):
-    """(I + a)^-1 for a strictly lower n x n fp32 matrix, by forward substitution row by row (exact fp32).
-
-    After step i, rows 0..i of x are rows of the inverse; rows below are still identity rows, and a[i, j] = 0 for
-    j >= i, so they never contribute to row i.
-    """
-    n = a.shape[0]
-    rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-
-    def step(i, x):
-        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # a[i, :]
-        row_i = jnp.sum(a_i[:, None] * x, axis=0)  # sum_j a[i, j] x[j, :]
-        return x - jnp.where(rows == i, row_i[None, :], 0.0)
-
-    return lax.fori_loop(1, n, step, jnp.where(rows == cols, 1.0, 0.0).astype(F32))
 
 
 def _unit_lower_inverse(a):

@@ -56,6 +56,7 @@ from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import iota2 as _iota2
 from deltajax.kernels.gpu.common import last as _last
+from deltajax.kernels.gpu.common import unit_lower_inverse as _unit_lower_inverse
 from deltajax.rules.chunk import CumulativeLogDecay
 from deltajax.rules.common import document_index
 
@@ -120,23 +121,6 @@ def _chunk_scalars(g, carry, tail):
     hi_last, lo_last = _last(hi), _last(lo)
     return (carry * jnp.exp(hi + lo), tail * jnp.exp((hi_last - hi) + (lo_last - lo)),
             _last(carry) * jnp.exp(hi_last + lo_last))
-
-
-def _unit_lower_inverse(a):
-    """(I + a)^-1 for a strictly lower SUB x SUB fp32 block, by forward substitution (exact fp32, eq. 2).
-
-    Invariant: after step i, rows 0..i of t are rows of the inverse; rows below are still identity rows, and
-    a[i, j] = 0 for j >= i, so they never contribute.
-    """
-    n = a.shape[0]
-    row, col = _iota2(n, n, 0), _iota2(n, n, 1)
-
-    def step(i, t):
-        a_i = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)  # a[i, :]
-        contribution = jnp.sum(a_i[:, None] * t, axis=0)  # sum_j a[i, j] t[j, :]
-        return t - jnp.where(row == i, contribution[None, :], 0.0)
-
-    return lax.fori_loop(1, n, step, jnp.where(row == col, 1.0, 0.0).astype(F32))
 
 
 def _block_diagonal_inverses(ats):

@@ -10,6 +10,12 @@ budget, at most `steps`; the schedule's horizon lives in the optimiser state, so
 run that still reaches its deadline stops there. Either way it is evaluated and reported (`steps` done,
 `stopped_early`). `RunBudget` splits a script's budget over its runs.
 
+Compilation (`--train_seconds`): the evaluation function is compiled for every eval shape before training, and a
+run given `train_seconds` starts that training clock only after its first (compiling) step, so runs whose
+compilation takes different times (one process per run on a shared GPU) train for the same wall time. The
+run's whole `time_budget_s`, counted from the call, stays a hard limit: a compilation that eats into it shortens
+the training, it never pushes the run past its budget.
+
 Data workers (`--data_workers`): the synthetic examples are built in Python (0.1-0.6 ms each), slower than a GPU
 trains these models; `start_data_workers(n)` forks n processes (before JAX starts a backend) that build the same
 batches as `deltajax.data.train_iterator` in parallel.
@@ -221,7 +227,8 @@ def make_predict(graphdef):
 
 def train_and_score(config: ModelConfig, train_source, eval_sets: dict, *, steps: int, batch_size: int,
                     learning_rate: float, seed: int = 0, log_every: int = 50, log=print,
-                    time_budget_s: float | None = None, eval_reserve_s: float = 0.0) -> dict:
+                    time_budget_s: float | None = None, eval_reserve_s: float = 0.0,
+                    train_seconds: float | None = None) -> dict:
     """Trains `config` on `train_source` and returns losses, timings and {name: accuracy} for every eval set.
 
     eval_sets: {name: list of batches (dicts of numpy arrays with inputs, targets, weights)}; accuracy is the
@@ -230,28 +237,54 @@ def train_and_score(config: ModelConfig, train_source, eval_sets: dict, *, steps
     time_budget_s: wall seconds for this run from the call, compilation and evaluation included; training gets
     `time_budget_s - eval_reserve_s`. The schedule is fitted to the steps that fit (at most `steps`; see the
     module docstring) and training stops at the deadline in any case. None: exactly `steps` steps.
+
+    train_seconds: training wall seconds counted from the end of the first (compiling) step, capped by
+    `time_budget_s`; None: the deadline is the budget's.
     """
     called = time.perf_counter()
     optim = OptimConfig(learning_rate=learning_rate, warmup_steps=min(50, steps // 10), weight_decay=0.1)
     optimizer, schedule = make_fitted_optimizer(optim, steps)
     graphdef, state = init_state(config, optimizer, seed, make_mesh(1))
     step_fn = jax.jit(make_train_step(graphdef, optimizer, schedule), donate_argnums=0)
+    # Evaluation compiles once per eval shape; doing it now keeps that time out of the training clock and out of
+    # the evaluation reserve (at the end of a budgeted run there may be no time left to compile).
+    compile_start = time.perf_counter()
+    predict = make_predict(graphdef)
+    compiled_predict = {}
+    for batches in eval_sets.values():
+        for batch in batches:
+            shape = batch["inputs"].shape
+            if shape not in compiled_predict:
+                inputs = jax.ShapeDtypeStruct(shape, jnp.int32)
+                compiled_predict[shape] = predict.lower(state["params"], state["rest"], inputs).compile()
+    eval_compile_seconds = time.perf_counter() - compile_start
     iterator = batch_stream(train_source, batch_size, seed=seed)
-    deadline = None if time_budget_s is None else called + max(time_budget_s - eval_reserve_s, 0.0)
+    hard_deadline = None if time_budget_s is None else called + max(time_budget_s - eval_reserve_s, 0.0)
+    if hard_deadline is None and train_seconds is not None:
+        hard_deadline = math.inf
+    deadline = hard_deadline
+    window_start = called  # the training clock: the call, or the end of the first step with train_seconds
     horizon, refits = steps, []
     # Step 1 compiles; the horizon is fitted to the step time measured since then at step 11 and again once a
-    # quarter and half of the budget have passed (after that the cosine decays undisturbed to its end).
+    # quarter and half of the training window have passed (after that the cosine decays undisturbed to its end).
     fit_fractions = [0.25, 0.5]
     last = None  # (step, time) of the last measurement
     losses = []
     start = time.perf_counter()
     step, train_len = 0, 0
     stopped_early = False
+    first_step_seconds = None
     while step < horizon:
         step += 1
         batch = {k: jnp.asarray(v) for k, v in next(iterator).items()}
         train_len = batch["inputs"].shape[1]
         state, metrics = step_fn(state, batch)
+        if step == 1:
+            jax.block_until_ready(metrics)
+            first_step_seconds = time.perf_counter() - start
+            if deadline is not None and train_seconds is not None:
+                window_start = time.perf_counter()
+                deadline = min(hard_deadline, window_start + train_seconds)
         if step % log_every == 0 or step == horizon:
             loss = float(metrics["loss"])
             losses.append((step, loss))
@@ -259,7 +292,8 @@ def train_and_score(config: ModelConfig, train_source, eval_sets: dict, *, steps
         if deadline is None:
             continue
         now = time.perf_counter()
-        if step in (1, 11) or (fit_fractions and now - called >= fit_fractions[0] * time_budget_s):
+        window = max(deadline - window_start, 1e-9)
+        if step in (1, 11) or (fit_fractions and now - window_start >= fit_fractions[0] * window):
             jax.block_until_ready(metrics)
             now = time.perf_counter()
             if last is not None:
@@ -269,7 +303,7 @@ def train_and_score(config: ModelConfig, train_source, eval_sets: dict, *, steps
                     horizon = fitted
                     state = set_horizon(state, horizon)
                 refits.append(dict(step=step, seconds_per_step=per_step, horizon=horizon))
-            while fit_fractions and now - called >= fit_fractions[0] * time_budget_s:
+            while fit_fractions and now - window_start >= fit_fractions[0] * window:
                 fit_fractions.pop(0)
             last = (step, now)
         if now >= deadline and step < horizon:
@@ -280,19 +314,21 @@ def train_and_score(config: ModelConfig, train_source, eval_sets: dict, *, steps
             log(f"  step {step}: loss {loss:.4f} (time budget spent, stopping before step {horizon})")
             break
     jax.block_until_ready(state)
-    train_seconds = time.perf_counter() - start
+    train_seconds_done = time.perf_counter() - start
     eval_start = time.perf_counter()
-    predict = make_predict(graphdef)
     accuracy = {}
     for name, batches in eval_sets.items():
         hits = total = 0.0
         for batch in batches:
-            pred = np.asarray(predict(state["params"], state["rest"], jnp.asarray(batch["inputs"])))
+            run = compiled_predict[batch["inputs"].shape]
+            pred = np.asarray(run(state["params"], state["rest"], jnp.asarray(batch["inputs"], jnp.int32)))
             w = batch["weights"]
             hits += float(np.sum((pred == batch["targets"]) * w))
             total += float(np.sum(w))
         accuracy[name] = hits / max(total, 1.0)
-    return dict(parameters=count_parameters(config), losses=losses, train_seconds=train_seconds,
+    return dict(parameters=count_parameters(config), losses=losses, train_seconds=train_seconds_done,
+                first_step_seconds=first_step_seconds, eval_compile_seconds=eval_compile_seconds,
+                train_window_s=None if deadline is None else deadline - window_start,
                 eval_seconds=time.perf_counter() - eval_start, seconds=time.perf_counter() - called,
                 final_loss=losses[-1][1] if losses else float("nan"), accuracy=accuracy, steps=step,
                 max_steps=steps, schedule_steps=horizon, stopped_early=stopped_early, budget_s=time_budget_s,

@@ -32,10 +32,17 @@ flags.DEFINE_bool("interpret", False, "Run in Pallas's interpreter (a smoke test
 
 VARIANTS = {
     "default": {},
-    "all_bf16": dict(dots="bf16", inverse_dots="bf16", grad_dots="bf16"),
-    "all_tf32": dict(dots="tf32", inverse_dots="tf32", grad_dots="tf32"),
-    "fwd_bf16": dict(dots="bf16"),
-    "grad_bf16": dict(grad_dots="bf16"),
+    "all_bf16": dict(dots="bf16", state_dots="bf16", inverse_dots="bf16", grad_dots="bf16",
+                     grad_k_dots="bf16"),
+    "all_tf32": dict(dots="tf32", state_dots="tf32", inverse_dots="tf32", grad_dots="tf32",
+                     grad_k_dots="tf32"),
+    "fwd_bf16": dict(dots="bf16", state_dots="bf16"),
+    "grad_bf16": dict(grad_dots="bf16", grad_k_dots="bf16"),
+    # bf16 operands only where the correlated-keys case allows it (part 2's S_0 / dS_end / dA products).
+    "grad_k_bf16": dict(grad_k_dots="bf16"),
+    # ... and K S_0 / K dS wherever they appear (passes, gradient part 1); both together: "tolerant_bf16".
+    "state_bf16": dict(state_dots="bf16"),
+    "tolerant_bf16": dict(grad_k_dots="bf16", state_dots="bf16"),
     "bv32": dict(block_v=32),
     "bv128": dict(block_v=128),
     "warps8": dict(warps=8),
@@ -83,7 +90,8 @@ VARIANTS = {
     "grad_staged_stages1": dict(grad_method="staged", grad_block_v=64, grad_block_k=64, grad_warps=4,
                                  grad_k_warps=4, stages=1),
     "grad_staged_bf16": dict(grad_method="staged", grad_block_v=64, grad_block_k=64, grad_warps=4,
-                              grad_k_warps=4, grad_dots="bf16", inverse_dots="bf16"),
+                              grad_k_warps=4, grad_dots="bf16", grad_k_dots="bf16",
+                              inverse_dots="bf16"),
 }
 
 
@@ -172,7 +180,7 @@ def main(argv):
                     inv = jax.jit(lambda k, b, g: wy_chunk._inverse(cfg, k, b, g, doc))
                     # The gradient kernels' inputs depend on no grad_* field but grad_dots: made once per size.
                     key = (size, dataclasses.replace(cfg, grad_block_v=0, grad_block_k=0, grad_method="",
-                                                     grad_warps=0, grad_k_warps=0))
+                                                     grad_warps=0, grad_k_warps=0, grad_k_dots=""))
                     if FLAGS.grads_only and key in prepared:
                         print(grads_row(size, name, cfg, prepared[key]), flush=True)
                         continue

@@ -1,28 +1,33 @@
 #!/usr/bin/env bash
 # One device call (one H100, at most 10 minutes): the research reproductions of docs/results.md sections 1-3 at
-# GPU scale, inside a total wall budget (default 540 s, install and compilation included).
+# GPU scale, inside a total wall budget (default 540 s, install, compilation and the summary included).
 #
 #   bash tools/fetch_gpu_wheels.sh                 # once, here: grain's wheels into .whl/ (carried)
 #   OUT=$OUT bash experiments/gpu_reproduce.sh     # on the device; results in $OUT/results, logs in $OUT
 #   SCALE=smoke OUT=/tmp/repro PYTHON=.venv/bin/python bash experiments/gpu_reproduce.sh   # CPU check, minutes
 #
-# Jobs, all on the one GPU at the same time (separate processes: compilation and the Python-built synthetic
-# batches overlap the other jobs' GPU work):
+# One process per run (variant x width), all started together on the one GPU, so that no run waits for another's
+# compilation (the 2026-11-23 run shared processes and lost whole runs to it, docs/results.md). Every run uses
+# the XLA chunked form (--impl=chunk; recorded per run as rule_impl): the Pallas kernels compile for minutes
+# through Triton at these small shapes. Jobs:
 #   state tracking  parity, DeltaNet / Gated DeltaNet with beta in [0, 1] and [0, 2]; 2 layers, d_model 128,
 #                   train length 40 (scored 3-40), test 40-256; batch 256, at most 5000 steps; float32.
-#                   Two processes of two runs each.
-#   MQAR            Zoology: vocabulary 8192, sequence 512, 64 key-value pairs, 2 layers; Gated DeltaNet,
-#                   DeltaNet, linear attention, KDA at d_model 64, 128, 256; batch 128, at most 4000 steps,
-#                   AdamW 1e-3; bfloat16 compute. One process per width.
-#   LM              (after the state-tracking processes, in the time left) byte-level LM on the Python stdlib,
-#                   5 step-size variants, d_model 256, 4 layers, 2 heads of 128, length 512, batch 32, 600 steps
-#                   (equal tokens), bfloat16. Skipped when less than LM_MIN_S seconds are left.
-# Every run of the synthetic tasks fits its learning-rate schedule to the steps that fit its share of the job's
-# --time_budget_s (experiments/_synthetic.py) and every job runs under `timeout`; JSON records are written after
-# every run, so a job cut short keeps the runs it finished. Environment overrides: SCALE (gpu | smoke), OUT,
-# PYTHON, TOTAL_S, JOB_S (budget of each state-tracking and MQAR job), ST_JOB_S, MQAR_JOB_S, SERIAL (1: one job
-# at a time; set by itself when the GPU is in an exclusive compute mode), LM (0: skip), LM_MIN_S, GRACE_S, and the
-# argument strings ST_ARGS, ST_GROUPS, MQAR_ARGS, MQAR_WIDTHS, LM_ARGS.
+#   MQAR            test at Zoology's hard setting (vocabulary 8192, sequence 512, 64 key-value pairs), trained
+#                   on Zoology's mixture of easier settings (64:4, 128:8, 256:16, 256:32, 256:64, padded to 256;
+#                   deltajax.data.MQARMixture); 2 layers; Gated DeltaNet, DeltaNet, linear attention, KDA at
+#                   d_model 64, 128, 256; batch 128, at most 4000 steps, AdamW 1e-3; bfloat16 compute.
+#   LM              byte-level LM on the Python stdlib, 5 step-size variants, d_model 256, 4 layers, 2 heads of
+#                   128, length 512, batch 32, 400 steps (equal tokens), bfloat16; the trainer's budget guards it.
+# Budgets: after the install every job gets JOB_S = TOTAL_S - elapsed - FINAL_S - GRACE_S seconds as its hard
+# --time_budget_s (compilation and evaluation included) and runs under `timeout JOB_S + GRACE_S`. The synthetic
+# runs compile their evaluation first and train for TRAIN_S = JOB_S - COMPILE_S seconds counted from the end of
+# their first (compiling) step (--train_seconds, experiments/_synthetic.py), so every run trains for the same wall
+# time whatever its compilation took, and a compilation longer than COMPILE_S only shortens that run. Each run
+# fits its learning-rate schedule to the steps that fit. JSON records are written per process and merged at the
+# end. Environment overrides: SCALE (gpu | smoke), OUT, PYTHON, TOTAL_S, FINAL_S, GRACE_S, COMPILE_S, JOB_S,
+# TRAIN_S, SERIAL (1: one job at a time, each with an equal part of the time; set by itself when the GPU is in an
+# exclusive compute mode), ST, MQAR, LM (0: skip that part, e.g. MQAR alone in a second call: ST=0 LM=0), and the
+# argument strings ST_ARGS, ST_VARIANTS, MQAR_ARGS, MQAR_VARIANTS, MQAR_WIDTHS, LM_ARGS, LM_VARIANTS.
 set -u -o pipefail
 T0=$(date +%s)
 OUT=${OUT:-gpu_logs}
@@ -35,30 +40,39 @@ now() { echo $(( $(date +%s) - T0 )); }
 
 case $SCALE in
   gpu)
-    TOTAL_S=${TOTAL_S:-540}; JOB_S=${JOB_S:-330}; LM_MIN_S=${LM_MIN_S:-100}; GRACE_S=${GRACE_S:-45}
+    TOTAL_S=${TOTAL_S:-540}; FINAL_S=${FINAL_S:-30}; GRACE_S=${GRACE_S:-20}; COMPILE_S=${COMPILE_S:-150}
     ST_ARGS=${ST_ARGS:-"--tasks=parity --d_model=128 --n_layers=2 --train_len=40 --min_len=3 --test_len=256
-      --steps=5000 --batch_size=256 --learning_rate=3e-3 --eval_batches=4 --compute_dtype=float32 --data_workers=3"}
-    MQAR_ARGS=${MQAR_ARGS:-"--vocab_size=8192 --seq_len=512 --num_kv_pairs=64 --n_layers=2
-      --variants=gated_deltanet,deltanet,linear_attention,kda --steps=4000 --batch_size=128 --learning_rate=1e-3
-      --eval_batches=4 --compute_dtype=bfloat16 --data_workers=4"}
+      --steps=5000 --batch_size=256 --learning_rate=3e-3 --eval_batches=4 --compute_dtype=float32 --impl=chunk
+      --data_workers=1"}
+    MQAR_ARGS=${MQAR_ARGS:-"--vocab_size=8192 --seq_len=512 --num_kv_pairs=64
+      --train_mixture=64:4,128:8,256:16,256:32,256:64 --n_layers=2 --steps=4000 --batch_size=128
+      --learning_rate=1e-3 --eval_batches=4 --compute_dtype=bfloat16 --impl=chunk --data_workers=1"}
+    MQAR_VARIANTS=${MQAR_VARIANTS:-"gated_deltanet deltanet linear_attention kda"}
     MQAR_WIDTHS=${MQAR_WIDTHS:-"64 128 256"}
-    LM_ARGS=${LM_ARGS:-"--d_model=256 --n_layers=4 --n_heads=2 --seq_len=512 --batch_size=32 --steps=600
-      --learning_rate=1e-3 --eval_every=300 --eval_batches=4 --compute_dtype=bfloat16"}
+    LM_ARGS=${LM_ARGS:-"--d_model=256 --n_layers=4 --n_heads=2 --seq_len=512 --batch_size=32 --steps=400
+      --learning_rate=1e-3 --eval_every=200 --eval_batches=4 --compute_dtype=bfloat16 --impl=chunk"}
+    LM_VARIANTS=${LM_VARIANTS:-"gated_deltanet deltanet gdn_relaxed_kaczmarz gdn_longhorn gdn_efla"}
     ;;
   smoke)
-    TOTAL_S=${TOTAL_S:-280}; JOB_S=${JOB_S:-100}; LM_MIN_S=${LM_MIN_S:-30}; GRACE_S=${GRACE_S:-60}
-    ST_ARGS=${ST_ARGS:-"--tasks=parity --d_model=16 --train_len=16 --min_len=3 --test_len=32 --steps=400
-      --batch_size=8 --eval_batches=1 --data_workers=1"}
-    MQAR_ARGS=${MQAR_ARGS:-"--vocab_size=64 --seq_len=32 --num_kv_pairs=4 --variants=gated_deltanet --steps=400
-      --batch_size=8 --eval_batches=1 --data_workers=1"}
+    TOTAL_S=${TOTAL_S:-300}; FINAL_S=${FINAL_S:-40}; GRACE_S=${GRACE_S:-30}; COMPILE_S=${COMPILE_S:-120}
+    ST_ARGS=${ST_ARGS:-"--tasks=parity --d_model=16 --train_len=16 --min_len=3 --test_len=32 --steps=300
+      --batch_size=8 --eval_batches=1 --data_workers=0"}
+    MQAR_ARGS=${MQAR_ARGS:-"--vocab_size=64 --seq_len=32 --num_kv_pairs=4 --train_mixture=16:2,32:4 --steps=300
+      --batch_size=8 --eval_batches=1 --data_workers=0"}
+    MQAR_VARIANTS=${MQAR_VARIANTS:-"gated_deltanet"}
     MQAR_WIDTHS=${MQAR_WIDTHS:-"16 32"}
-    LM_ARGS=${LM_ARGS:-"--variants=gated_deltanet,gdn_longhorn --d_model=16 --n_layers=1 --seq_len=32
-      --batch_size=4 --steps=40 --eval_every=0 --eval_batches=1"}
+    LM_ARGS=${LM_ARGS:-"--d_model=16 --n_layers=1 --seq_len=32 --batch_size=4 --steps=40 --eval_every=0
+      --eval_batches=1"}
+    LM_VARIANTS=${LM_VARIANTS:-"gated_deltanet gdn_longhorn"}
     ;;
   *) echo "SCALE must be gpu or smoke, got $SCALE"; exit 2 ;;
 esac
-ST_GROUPS=${ST_GROUPS:-"deltanet,deltanet_neg gated_deltanet,gated_deltanet_neg"}
+ST_VARIANTS=${ST_VARIANTS:-"deltanet deltanet_neg gated_deltanet gated_deltanet_neg"}
+ST=${ST:-1}
+MQAR=${MQAR:-1}
 LM=${LM:-1}
+[ "$ST" != 0 ] || ST_VARIANTS=""
+[ "$MQAR" != 0 ] || MQAR_WIDTHS=""
 
 # grain from the carried wheels (only where it is missing), then the repository (only where not installed).
 if ! $PY -c "import grain" >/dev/null 2>&1; then
@@ -82,66 +96,49 @@ if [ -z "${SERIAL:-}" ]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=compute_mode --format=csv,noheader | grep -qi exclusive
   then SERIAL=1; fi
 fi
-if [ "$SERIAL" = 1 ]; then  # the same work in sequence: smaller shares, the LM comparison only if time is left
-  ST_JOB_S=${ST_JOB_S:-$((JOB_S * 2 / 9))}; MQAR_JOB_S=${MQAR_JOB_S:-$((JOB_S * 2 / 9))}
-else
-  ST_JOB_S=${ST_JOB_S:-$JOB_S}; MQAR_JOB_S=${MQAR_JOB_S:-$JOB_S}
-fi
-echo "[$(now) s] installed; scale $SCALE, serial $SERIAL; state-tracking jobs get ${ST_JOB_S} s, MQAR jobs" \
-  "${MQAR_JOB_S} s, total budget ${TOTAL_S} s"
+jobs=$(( $(echo $ST_VARIANTS | wc -w) + $(echo $MQAR_VARIANTS | wc -w) * $(echo $MQAR_WIDTHS | wc -w) ))
+[ "$LM" = 0 ] || jobs=$(( jobs + $(echo $LM_VARIANTS | wc -w) ))
+if [ "$jobs" = 0 ]; then echo "nothing to run: ST, MQAR and LM are all 0"; exit 2; fi
+# What is left for the jobs: in parallel each job gets all of it, in sequence an equal part.
+left=$(( TOTAL_S - $(now) - FINAL_S - GRACE_S ))
+if [ "$SERIAL" = 1 ]; then left=$(( (TOTAL_S - $(now) - FINAL_S) / jobs - GRACE_S )); fi
+JOB_S=${JOB_S:-$left}
+TRAIN_S=${TRAIN_S:-$(( JOB_S - COMPILE_S ))}
+if [ "$TRAIN_S" -lt $(( JOB_S / 4 )) ]; then TRAIN_S=$(( JOB_S / 4 )); fi  # compilation allowance never all of it
+echo "[$(now) s] installed; scale $SCALE, serial $SERIAL; $jobs jobs of ${JOB_S} s each (training ${TRAIN_S} s" \
+  "after compiling), total budget ${TOTAL_S} s"
+if [ "$JOB_S" -lt 10 ]; then echo "no time left for the jobs (JOB_S=$JOB_S)"; exit 1; fi
 
-# job NAME TIMEOUT_S CMD...: runs CMD under timeout, output to $OUT/NAME.log; exit status and seconds to NAME.rc.
+# job NAME CMD...: runs CMD under timeout, output to $OUT/NAME.log; exit status and seconds to NAME.rc.
 job() {
-  local name=$1 limit=$2 start; shift 2
+  local name=$1 start; shift
   start=$(date +%s)
-  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout -k 10 $((JOB_S + GRACE_S)) "$@" >"$OUT/$name.log" 2>&1
   echo "$? $(( $(date +%s) - start ))" >"$OUT/$name.rc"
   echo "[$(now) s] $name done (exit $(cut -d' ' -f1 "$OUT/$name.rc"), $(cut -d' ' -f2 "$OUT/$name.rc") s)"
 }
 launch() { if [ "$SERIAL" = 1 ]; then job "$@"; else job "$@" & fi; }
 
-state_tracking_jobs() {
-  local i=0 group
-  for group in $ST_GROUPS; do
-    i=$((i + 1))
-    launch st$i $((ST_JOB_S + GRACE_S)) $PY experiments/state_tracking.py $ST_ARGS --variants="$group" \
-      --time_budget_s="$ST_JOB_S" --out="$RES/parts/state_tracking_$i.json" --plot=
+for variant in $ST_VARIANTS; do
+  launch st_$variant $PY experiments/state_tracking.py $ST_ARGS --variants="$variant" --time_budget_s="$JOB_S" \
+    --train_seconds="$TRAIN_S" --out="$RES/parts/state_tracking_$variant.json" --plot=
+done
+for width in $MQAR_WIDTHS; do
+  for variant in $MQAR_VARIANTS; do
+    launch mqar_${variant}_$width $PY experiments/mqar.py $MQAR_ARGS --variants="$variant" --widths="$width" \
+      --time_budget_s="$JOB_S" --train_seconds="$TRAIN_S" --out="$RES/parts/mqar_${variant}_d$width.json" --plot=
   done
-  wait
-}
-
-mqar_jobs() {
-  local width
-  for width in $MQAR_WIDTHS; do
-    launch mqar_$width $((MQAR_JOB_S + GRACE_S)) $PY experiments/mqar.py $MQAR_ARGS --widths="$width" \
-      --time_budget_s="$MQAR_JOB_S" --out="$RES/parts/mqar_d$width.json" --plot=
-  done
-  wait
-}
-
-lm_job() {
-  # The LM comparison gets what is left until TOTAL_S, less its start-up and the final summary.
-  local left lm_root
-  left=$(( TOTAL_S - $(now) - 40 ))
-  if [ "$LM" = 0 ] || [ "$left" -lt "$LM_MIN_S" ]; then
-    echo "LM comparison skipped (LM=$LM, ${left} s left, needs $LM_MIN_S)" | tee "$OUT/lm.log"
-    return
-  fi
+done
+if [ "$LM" != 0 ]; then
   lm_root=$(mktemp -d /tmp/lm_compare_runs.XXXXXX)
-  echo "[$(now) s] LM comparison with a budget of ${left} s"
-  job lm $((left + 30)) $PY experiments/lm_compare.py $LM_ARGS --time_budget_s="$left" --run_root="$lm_root" \
-    --out="$RES/lm_compare.json" --plot="$RES/lm_compare.png"
-  rm -rf "$lm_root"
-}
-
-if [ "$SERIAL" = 1 ]; then
-  state_tracking_jobs; mqar_jobs; lm_job
-else
-  # The LM comparison follows the state-tracking jobs (the shorter ones) while the MQAR jobs run.
-  { state_tracking_jobs; lm_job; } &
-  mqar_jobs &
-  wait
+  for variant in $LM_VARIANTS; do
+    # The trainer's budget counts from its call (compilation included); keep room for its final evaluation.
+    launch lm_$variant $PY experiments/lm_compare.py $LM_ARGS --variants="$variant" --time_budget_s="$JOB_S" \
+      --run_root="$lm_root" --out="$RES/parts/lm_compare_$variant.json" --plot=
+  done
 fi
+wait
+[ "$LM" = 0 ] || rm -rf "$lm_root"
 echo "[$(now) s] all jobs done"
 for rc in "$OUT"/*.rc; do
   name=$(basename "$rc" .rc)
@@ -171,14 +168,16 @@ print("jobs (exit status, wall seconds):",
                 for p in sorted(glob.glob(os.path.join(out, "*.rc")))))
 st = merge("state_tracking_*.json", os.path.join(res, "state_tracking.json"))
 if st:
-    print(f"\nstate tracking ({st['device']}; steps: done / at most; cut = stopped at the deadline; s/step "
-          f"includes compiling)")
+    print(f"\nstate tracking ({st['device']}; steps: done / at most; cut = stopped at the deadline; compile: "
+          f"seconds of the first step; s/step after it)")
     short, long = ("-".join(map(str, st["runs"][0]["lengths"][k])) for k in ("train", "test"))
-    print(f"{'task':8} {'model':20} {'steps':>11} {'s/step':>7} {'impl':>7} {'loss':>6} {'acc ' + short:>10} "
-          f"{'acc ' + long:>10} {'scaled':>7} {'scaled':>7}")
+    print(f"{'task':8} {'model':20} {'steps':>11} {'compile':>7} {'s/step':>7} {'impl':>7} {'loss':>6} "
+          f"{'acc ' + short:>10} {'acc ' + long:>10} {'scaled':>7} {'scaled':>7}")
     for r in st["runs"]:
-        per = r["train_seconds"] / max(r["steps"], 1)
-        print(f"{r['task']:8} {r['variant']:20} {r['steps']:>5}/{r['max_steps']:<5} {per:7.4f} {r['rule_impl']:>7} "
+        first = r.get("first_step_seconds") or 0.0
+        per = (r["train_seconds"] - first) / max(r["steps"] - 1, 1)
+        print(f"{r['task']:8} {r['variant']:20} {r['steps']:>5}/{r['max_steps']:<5} {first:7.1f} {per:7.4f} "
+              f"{r['rule_impl']:>7} "
               f"{r['final_loss']:6.3f} {r['accuracy']['train']:10.3f} {r['accuracy']['test']:10.3f} "
               f"{r['scaled_accuracy']['train']:7.2f} {r['scaled_accuracy']['test']:7.2f}"
               + (" cut" if r["stopped_early"] else ""))
@@ -186,7 +185,9 @@ else:
     print("\nstate tracking: no results")
 mq = merge("mqar_*.json", os.path.join(res, "mqar.json"))
 if mq:
-    print(f"\nMQAR recall accuracy (steps done, impl)")
+    test = mq["parts"][0]["settings"]
+    print(f"\nMQAR recall accuracy (steps done, impl); trained on {mq['runs'][0].get('train_data', '?')}, tested "
+          f"at {test['seq_len']} tokens, {test['num_kv_pairs']} pairs")
     widths = sorted({r["d_model"] for r in mq["runs"]})
     print(f"{'model':18}" + "".join(f"{'d=' + str(w):>26}" for w in widths))
     for v in dict.fromkeys(r["variant"] for r in mq["runs"]):
@@ -197,25 +198,26 @@ if mq:
         print(f"{v:18}" + "".join(f"{c:>26}" for c in cells))
 else:
     print("\nMQAR: no results")
-path = os.path.join(res, "lm_compare.json")
-if os.path.exists(path):
-    lm = json.load(open(path))
+lm = merge("lm_compare_*.json", os.path.join(res, "lm_compare.json"))
+if lm:
     print(f"\nLM comparison ({lm['corpus']})")
     print(f"{'model':22} {'params':>9} {'steps':>6} {'tokens':>11} {'val loss @1x':>12} {'@2x':>7} {'seconds':>7}")
     for r in lm["runs"]:
         s = r["summary"]
         print(f"{r['variant']:22} {r['parameters']:9,} {s['step']:6} {r['tokens']:11,} {s.get('eval_loss@1x', math.nan):12.4f} "
               f"{s.get('eval_loss@2x', math.nan):7.4f} {r['seconds']:7.0f}" + (" cut" if s.get("stopped_early") else ""))
-    if not lm.get("complete", True):
-        print("(incomplete: the job was cut before its last variant)")
+    if not all(part["complete"] for part in lm["parts"]):
+        print("(incomplete: a job was cut before it wrote its final record)")
 else:
     print("\nLM comparison: not run")
 PY
-# Plots of the merged records (the LM job plots its own).
+# Plots of the merged records.
 [ -f "$RES/state_tracking.json" ] && $PY experiments/state_tracking.py --tabulate="$RES/state_tracking.json" \
   --plot="$RES/state_tracking.png" >"$OUT/plot_st.log" 2>&1 &
 [ -f "$RES/mqar.json" ] && $PY experiments/mqar.py --tabulate="$RES/mqar.json" --plot="$RES/mqar.png" \
   >"$OUT/plot_mqar.log" 2>&1 &
+[ -f "$RES/lm_compare.json" ] && $PY experiments/lm_compare.py --tabulate="$RES/lm_compare.json" \
+  --plot="$RES/lm_compare.png" >"$OUT/plot_lm.log" 2>&1 &
 wait
 ls "$RES"
 echo "[$(now) s] finished"

@@ -28,12 +28,19 @@ flags.DEFINE_bool("interpret", False, "Run the kernels in Pallas's interpreter."
 
 VARIANTS = {
     "default": {},
-    "all_split": dict(dots="split", inverse_dots="split", grad_dots="split"),
-    "all_bf16": dict(dots="bf16", inverse_dots="bf16", grad_dots="bf16"),
-    "all_tf32": dict(dots="tf32", inverse_dots="tf32", grad_dots="tf32"),
-    "fwd_bf16": dict(dots="bf16"),
+    "all_split": dict(dots="split", state_dots="split", inverse_dots="split", grad_dots="split",
+                      grad_k_dots="split"),
+    "all_bf16": dict(dots="bf16", state_dots="bf16", inverse_dots="bf16", grad_dots="bf16",
+                     grad_k_dots="bf16"),
+    "all_tf32": dict(dots="tf32", state_dots="tf32", inverse_dots="tf32", grad_dots="tf32",
+                     grad_k_dots="tf32"),
+    "fwd_bf16": dict(dots="bf16", state_dots="bf16"),
     "inverse_bf16": dict(inverse_dots="bf16"),
-    "grad_split": dict(grad_dots="split"),
+    "grad_split": dict(grad_dots="split", grad_k_dots="split"),
+    "grad_bf16": dict(grad_dots="bf16", grad_k_dots="bf16"),  # products with T stay "split"
+    "grad_k_bf16": dict(grad_k_dots="bf16"),  # part 2's S_0 / dS_end / dA products only
+    "state_bf16": dict(state_dots="bf16"),  # K S_0 and K dS only (passes and gradient part 1)
+    "tolerant_bf16": dict(grad_k_dots="bf16", state_dots="bf16"),  # both
     # Gradient methods (wy_chunk.GRAD_METHODS) at the block sizes swept on the H100.
     "grad_fused": dict(grad_method="fused", grad_block_v=32, grad_block_k=256),
     "grad_fused_bk64": dict(grad_method="fused", grad_block_v=32, grad_block_k=64),

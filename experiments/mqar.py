@@ -11,13 +11,17 @@ step-size rules of seed 000 (Kaczmarz, relaxed Kaczmarz, Longhorn, EFLA), each 2
     # the Zoology setting (vocab 8192, sequence 512, 64 key-value pairs, widths 64/128/256), a GPU-sized budget
     python experiments/mqar.py --vocab_size=8192 --seq_len=512 --num_kv_pairs=64 --widths=64,128,256 \
         --steps=4000 --batch_size=128 --learning_rate=1e-3
+    # Zoology's training mixture of easier settings, tested at the hard one (gpu_reproduce.sh runs this)
+    python experiments/mqar.py --vocab_size=8192 --seq_len=512 --num_kv_pairs=64 --widths=128 --steps=4000 \
+        --train_mixture=64:4,128:8,256:16,256:32,256:64 --batch_size=128 --learning_rate=1e-3 --impl=chunk
     # the same, each run's schedule fitted to its share of 300 s (at most 4000 steps), one process per width
     python experiments/mqar.py --vocab_size=8192 --seq_len=512 --num_kv_pairs=64 --widths=256 --steps=4000 \
         --batch_size=128 --learning_rate=1e-3 --time_budget_s=300 --data_workers=4 --out=/tmp/mqar_256.json --plot=
 
-Accuracy is measured on held-out sequences (a separate seed stream). Writes a JSON record (after every run, so an
-interrupted script keeps the runs it finished) and a plot. `--time_budget_s` and `--data_workers`: see
-experiments/_synthetic.py.
+Accuracy is measured on held-out sequences (a separate seed stream) of --seq_len / --num_kv_pairs; training uses
+the same setting, or with --train_mixture a mixture of settings (deltajax.data.MQARMixture). Writes a JSON record
+(after every run, so an interrupted script keeps the runs it finished) and a plot. `--time_budget_s`,
+`--train_seconds` and `--data_workers`: see experiments/_synthetic.py.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ flags.DEFINE_integer("n_layers", 2, "Blocks.")
 flags.DEFINE_integer("vocab_size", 64, "Vocabulary: keys from the lower half, values from the upper half.")
 flags.DEFINE_integer("seq_len", 32, "Sequence length.")
 flags.DEFINE_integer("num_kv_pairs", 4, "Key-value pairs per sequence.")
+flags.DEFINE_list("train_mixture", [], "Train on this mixture of seq_len:num_kv_pairs settings instead of the test "
+                  "setting, e.g. Zoology's 64:4,128:8,256:16,256:32,256:64 (each drawn equally often, padded to the "
+                  "longest; deltajax.data.MQARMixture). Testing stays at --seq_len / --num_kv_pairs.")
 flags.DEFINE_integer("steps", 400, "Optimiser steps per run.")
 flags.DEFINE_integer("batch_size", 32, "Sequences per step.")
 flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
@@ -48,6 +55,9 @@ flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute 
 flags.DEFINE_float("time_budget_s", None, "Wall seconds for all runs together (compilation and evaluation "
                    "included), split evenly; each run fits its schedule to at most --steps steps that fit its share "
                    "and stops at its deadline. Unset: exactly --steps steps.")
+flags.DEFINE_float("train_seconds", None, "Training wall seconds of every run, counted from the end of its first "
+                   "(compiling) step, within its share of --time_budget_s (see experiments/_synthetic.py). Unset: "
+                   "each run trains until its share's deadline.")
 flags.DEFINE_integer("data_workers", 0, "Processes building training batches (0: in the main process).")
 flags.DEFINE_integer("seed", 0, "Initialisation and data seed.")
 flags.DEFINE_string("out", "docs/figures/mqar.json", "JSON record of the runs.")
@@ -120,7 +130,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     import _synthetic as common
-    from deltajax.data import MQAR
+    from deltajax.data import MQAR, MQARMixture
 
     if FLAGS.tabulate:
         records = common.load_runs(FLAGS.tabulate)
@@ -133,13 +143,18 @@ def main(argv):
     impl = common.default_impl(FLAGS.impl)
     header = common.run_header()
     settings = {name: FLAGS[name].value for name in ("variants", "widths", "n_layers", "vocab_size", "seq_len",
-                                                      "num_kv_pairs", "steps", "batch_size", "learning_rate",
-                                                      "eval_batches", "seed", "compute_dtype", "time_budget_s",
-                                                      "data_workers")}
-    train_source = MQAR(FLAGS.seq_len, vocab_size=FLAGS.vocab_size, num_kv_pairs=FLAGS.num_kv_pairs,
-                        seed=2 * FLAGS.seed)
+                                                      "num_kv_pairs", "train_mixture", "steps", "batch_size",
+                                                      "learning_rate", "eval_batches", "seed", "compute_dtype",
+                                                      "impl", "time_budget_s", "train_seconds", "data_workers")}
     test_source = MQAR(FLAGS.seq_len, vocab_size=FLAGS.vocab_size, num_kv_pairs=FLAGS.num_kv_pairs,
                        seed=2 * FLAGS.seed + 1)
+    if FLAGS.train_mixture:
+        settings_mix = [tuple(int(x) for x in item.split(":")) for item in FLAGS.train_mixture]
+        train_source = MQARMixture(tuple(settings_mix), vocab_size=FLAGS.vocab_size, seed=2 * FLAGS.seed)
+    else:
+        train_source = MQAR(FLAGS.seq_len, vocab_size=FLAGS.vocab_size, num_kv_pairs=FLAGS.num_kv_pairs,
+                            seed=2 * FLAGS.seed)
+    print(f"train on {train_source!r}, test on {test_source!r}", flush=True)
     eval_sets = {"test": common.fixed_batches(test_source, FLAGS.batch_size, FLAGS.eval_batches)}
     records = []
     started = time.perf_counter()
@@ -155,9 +170,10 @@ def main(argv):
             result = common.train_and_score(config, train_source, eval_sets, steps=FLAGS.steps,
                                             batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
                                             seed=FLAGS.seed, log_every=100, time_budget_s=share,
-                                            eval_reserve_s=budget.eval_reserve(share) if share else 0.0)
+                                            eval_reserve_s=budget.eval_reserve(share) if share else 0.0,
+                                            train_seconds=FLAGS.train_seconds)
             budget.eval_seconds = result["eval_seconds"]
-            result.update(variant=variant, d_model=width)
+            result.update(variant=variant, d_model=width, train_data=repr(train_source))
             records.append(result)
             print(f"  accuracy {result['accuracy']['test']:.3f} ({result['steps']} steps, {result['rule_impl']}, "
                   f"{result['train_seconds']:.0f} s)", flush=True)

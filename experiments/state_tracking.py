@@ -17,7 +17,7 @@ Parity targets are the running parity at every position, so one sequence of leng
 3..40 at once; accuracy "train" is over prefix lengths 3-40 and "test" over 40-256 of separate length-256
 sequences. Modular arithmetic scores only the answer after "="; its test set keeps the expressions of 40-256
 tokens. Writes a JSON record (after every run, so an interrupted script keeps the runs it finished) and a bar
-plot. `--time_budget_s` and `--data_workers`: see experiments/_synthetic.py.
+plot. `--time_budget_s`, `--train_seconds` and `--data_workers`: see experiments/_synthetic.py.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute 
 flags.DEFINE_float("time_budget_s", None, "Wall seconds for all runs together (compilation and evaluation "
                    "included), split evenly; each run fits its schedule to at most --steps steps that fit its share "
                    "and stops at its deadline. Unset: exactly --steps steps.")
+flags.DEFINE_float("train_seconds", None, "Training wall seconds of every run, counted from the end of its first "
+                   "(compiling) step, within its share of --time_budget_s (see experiments/_synthetic.py). Unset: "
+                   "each run trains until its share's deadline.")
 flags.DEFINE_integer("data_workers", 0, "Processes building training batches (0: in the main process).")
 flags.DEFINE_integer("seed", 0, "Initialisation and data seed.")
 flags.DEFINE_string("out", "docs/figures/state_tracking.json", "JSON record of the runs.")
@@ -151,7 +154,8 @@ def main(argv):
     settings = {name: FLAGS[name].value for name in ("tasks", "variants", "d_model", "n_layers", "train_len",
                                                       "min_len", "test_len", "modulus", "steps", "batch_size",
                                                       "learning_rate", "eval_batches", "seed", "chunk_size",
-                                                      "compute_dtype", "time_budget_s", "data_workers")}
+                                                      "compute_dtype", "time_budget_s", "train_seconds",
+                                                      "data_workers")}
     records = []
     started = time.perf_counter()
     budget = common.RunBudget(FLAGS.time_budget_s, len(FLAGS.tasks) * len(FLAGS.variants))
@@ -173,7 +177,8 @@ def main(argv):
             result = common.train_and_score(config, train_source, eval_sets, steps=FLAGS.steps,
                                             batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
                                             seed=FLAGS.seed, time_budget_s=share,
-                                            eval_reserve_s=budget.eval_reserve(share) if share else 0.0)
+                                            eval_reserve_s=budget.eval_reserve(share) if share else 0.0,
+                                            train_seconds=FLAGS.train_seconds)
             budget.eval_seconds = result["eval_seconds"]
             result.update(task=task, variant=variant, chance=chance,
                           lengths={"train": [FLAGS.min_len, FLAGS.train_len],

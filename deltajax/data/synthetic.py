@@ -1,4 +1,5 @@
-"""Synthetic tasks as random-access grain sources: MQAR, parity, modular arithmetic (with and without brackets).
+"""Synthetic tasks as random-access grain sources: MQAR (one setting or a mixture of settings), parity, modular
+arithmetic (with and without brackets).
 
 Every source returns examples of one fixed length T as a dict of numpy arrays
 
@@ -74,6 +75,67 @@ class MQAR:
 
     def __repr__(self):
         return f"MQAR(seq_len={self.seq_len}, vocab_size={self.vocab_size}, num_kv_pairs={self.num_kv_pairs})"
+
+
+@dataclasses.dataclass(frozen=True)
+class MQARMixture:
+    """MQAR examples of several (sequence length, key-value pairs) settings, each held at one padded length.
+
+    Zoology trains on a mixture of easier settings ((64, 4), (128, 8), (256, 16), (256, 32), (256, 64) at
+    vocabulary 8192) and tests at a harder one; a model that sees only the hard setting from the start (64 pairs
+    in 512 tokens) stays at the unigram loss for thousands of steps. Example i draws its setting uniformly from
+    `settings` and is the MQAR example of that setting (same construction as `MQAR`) followed, up to
+    `padded_len`, by random filler tokens in a second segment (segment id 2: the recurrent layers reset there),
+    all unscored. Causal models see exactly the short example at its scored positions, and every batch has one
+    shape, so one compiled step serves every setting.
+    """
+
+    settings: tuple  # ((seq_len, num_kv_pairs), ...)
+    vocab_size: int = 8192
+    padded_len: int | None = None  # default: the longest seq_len of the settings
+    power_alpha: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.settings:
+            raise ValueError("MQARMixture needs at least one (seq_len, num_kv_pairs) setting")
+        object.__setattr__(self, "settings", tuple((int(t), int(d)) for t, d in self.settings))
+        if self.padded_len is None:
+            object.__setattr__(self, "padded_len", max(t for t, _ in self.settings))
+        for t, d in self.settings:
+            if t > self.padded_len:
+                raise ValueError(f"setting ({t}, {d}) is longer than padded_len={self.padded_len}")
+            MQAR(t, vocab_size=self.vocab_size, num_kv_pairs=d, power_alpha=self.power_alpha)  # validates
+
+    @property
+    def seq_len(self) -> int:
+        return self.padded_len
+
+    def __len__(self):
+        return NUM_EXAMPLES
+
+    def setting(self, index) -> tuple:
+        """The (seq_len, num_kv_pairs) of example `index`."""
+        return self.settings[int(_rng(self.seed, int(index)).integers(len(self.settings)))]
+
+    def __getitem__(self, index):
+        seq_len, pairs = self.setting(index)
+        # The example and its filler use streams of their own (keys seed + k 2^32, apart from every plain source's
+        # seed), so neither depends on the draw above nor repeats another source's examples.
+        example = MQAR(seq_len, vocab_size=self.vocab_size, num_kv_pairs=pairs, power_alpha=self.power_alpha,
+                       seed=self.seed + (1 << 32))[index]
+        pad = self.padded_len - seq_len
+        if pad == 0:
+            return example
+        filler = _rng(self.seed + (2 << 32), int(index)).integers(0, self.vocab_size, pad + 1)
+        return dict(inputs=np.concatenate([example["inputs"], filler[:-1]]).astype(np.int32),
+                    targets=np.concatenate([example["targets"], filler[1:]]).astype(np.int32),
+                    weights=np.concatenate([example["weights"], np.zeros(pad, np.float32)]),
+                    segment_ids=np.concatenate([example["segment_ids"], np.full(pad, 2, np.int32)]))
+
+    def __repr__(self):
+        mix = ", ".join(f"({t}, {d})" for t, d in self.settings)
+        return f"MQARMixture({mix}; padded_len={self.padded_len}, vocab_size={self.vocab_size})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,10 @@ Precision. Products of two input-dtype operands (Q K^T, K K^T) are exact on the 
 operand (the state, T, P, u, ...) is done in one of four modes (`Config.dots` etc.): "highest" (IEEE fp32, for
 fp32 inputs), "tf32", "bf16" (operands rounded), or "split": each fp32 operand x is written as hi + lo with
 hi = bf16(x), lo = bf16(x - hi), and the product is summed from the bf16 dots hi*hi + hi*lo + lo*hi (two dots when
-the other operand is already bf16): ~2^-16 relative error per product at bf16 tensor-core speed.
+the other operand is already bf16): ~2^-16 relative error per product at bf16 tensor-core speed. The products that
+keep the bf16 bounds with plainly rounded operands even for correlated keys with beta near 2 have modes of their
+own (`state_dots`: K S_0 and K dS; `grad_k_dots`: the state and dA products of "staged" part 2); which products
+those are was measured per group (docs/kernels.md, "Which products need split").
 
 Key heads are indexed, never repeated: value head hv reads key head hv // (Hv // H). Cumulative gates, document
 masks and padding are computed in XLA; d(log_decay) is written per token by the gradient kernels (`_dlog`), with
@@ -78,9 +81,12 @@ class Config:
     value_heads: int
     delta: bool  # False: linear attention (u = V)
     segmented: bool  # same-document masks inside the chunk are needed
+    gated: bool  # a log-decay was given (False: G = 0, never computed from a constant)
     dots: str  # forward products with an fp32 operand (`common.DOT_MODES`)
+    state_dots: str  # K S_0 and K dS (forward and reverse pass, gradient part 1; see `_forward_kernel`)
     inverse_dots: str  # products with T, forward and backward
-    grad_dots: str  # the other products of the two backward kernels
+    grad_dots: str  # the other products of the backward kernels
+    grad_k_dots: str  # "staged" part 2: its products with S_0, dS_end and dA (see `_grad_k_kernel`)
     block_v: int  # BV of the sequential passes
     grad_block_v: int  # BV of the gradient kernels (the loop of "fused", both kernels of "staged")
     grad_block_k: int  # BK of dq and dk (a grid axis of the gradient kernel that writes them; K: whole rows)
@@ -312,7 +318,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_
         p = _dot(q, k, tb=True, mode=cfg.dots) * _pair_decay(g, g, mask)
         u = v_ref[rows, :].astype(F32)
         if cfg.delta:
-            y = u - from_start[:, None] * _dot(k, s, mode=cfg.dots)
+            # K S and K dS (here, in the reverse pass and in the gradients' part 1) tolerate bf16 operands where the
+            # other products of the passes do not (docs/kernels.md, "Which products need split").
+            y = u - from_start[:, None] * _dot(k, s, mode=cfg.state_dots)
             u = _dot(t_ref[rows, :], beta_ref[rows][:, None] * y, mode=cfg.inverse_dots)
         # Diagonal scales go on the fp32 side of each dot so that q and k enter the tensor cores unrounded.
         o = cfg.scale * (from_start[:, None] * _dot(q, s, mode=cfg.dots) + _dot(p, u, mode=cfg.dots))
@@ -369,7 +377,8 @@ def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, ta
         if cfg.delta:
             mask = _chunk_mask(doc_ref[rows], C, strict=False, segmented=cfg.segmented)
             p = _dot(q, k, tb=True, mode=cfg.grad_dots) * _pair_decay(g, g, mask)
-            du = cfg.scale * _dot(p, do, ta=True, mode=cfg.grad_dots) + to_end[:, None] * _dot(k, ds, mode=cfg.grad_dots)
+            du = (cfg.scale * _dot(p, do, ta=True, mode=cfg.grad_dots)
+                  + to_end[:, None] * _dot(k, ds, mode=cfg.state_dots))
             dx = _dot(t_ref[rows, :], du, ta=True, mode=cfg.inverse_dots)  # dL/d(beta y) of eq. (4)
             dks = -(beta_ref[rows] * from_start)[:, None] * dx  # dL/d(K S_0) of eq. (3)
             ds_start = ds_start + _dot(k, dks, ta=True, mode=cfg.grad_dots)
@@ -524,14 +533,14 @@ def _grad_v_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_r
     mask = _chunk_mask(doc_ref[...], C, strict=False, segmented=cfg.segmented)
     p = _dot(q, k, tb=True, mode=mode) * _pair_decay(g, g, mask)
     do = do_ref[...]
-    kd = _dot(k, dend_ref[...], mode=mode)  # K dS_end
+    kd = _dot(k, dend_ref[...], mode=cfg.state_dots)  # K dS_end
     du = cfg.scale * _dot(p, do, ta=True, mode=mode) + to_end[:, None] * kd
     u = v_ref[...].astype(F32)
     if cfg.delta:
         u_ref, dx_ref, da_ref, dbeta_ref, dg_ref = delta_refs
         beta = beta_ref[...]
         t = t_ref[...]
-        ks = _dot(k, s0_ref[...], mode=mode)
+        ks = _dot(k, s0_ref[...], mode=cfg.state_dots)
         y = u - from_start[:, None] * ks
         u = _dot(t, beta[:, None] * y, mode=cfg.inverse_dots)
         dx = _dot(t, du, ta=True, mode=cfg.inverse_dots)
@@ -567,6 +576,10 @@ def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tai
     first = pl.program_id(0) == 0
     kcols = pl.ds(pl.multiple_of(pl.program_id(0) * BK, BK), BK)
     mode = cfg.grad_dots
+    # The products with S_0, dS_end and dA come after every product with T, whose entries grow large for
+    # correlated keys with beta near 2: rounding their operands to bf16 is not amplified by T (errors of the
+    # choices: docs/kernels.md). The dO u^T partials (dp) are not among them: with bf16 operands dq failed.
+    late = cfg.grad_k_dots
     g = _gates(g_ref)
     from_start, to_end, survive = _chunk_scalars(g, carry_ref[...], tail_ref[...])
     beta = beta_ref[...]
@@ -577,9 +590,9 @@ def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tai
         s0, dend, do = s0_ref[:, cols], dend_ref[:, cols], do_ref[:, cols]  # s0, dend: this K block's rows
         if cfg.delta:
             dks = -(beta * from_start)[:, None] * dx_ref[:, cols]
-            dk_acc = dk_acc + _dot(dks, s0, tb=True, mode=mode)
-        dk_acc = dk_acc + _dot(to_end[:, None] * u_ref[:, cols].astype(F32), dend, tb=True, mode=mode)
-        dq_acc = dq_acc + _dot(do, s0, tb=True, mode=mode)
+            dk_acc = dk_acc + _dot(dks, s0, tb=True, mode=late)
+        dk_acc = dk_acc + _dot(to_end[:, None] * u_ref[:, cols].astype(F32), dend, tb=True, mode=late)
+        dq_acc = dq_acc + _dot(do, s0, tb=True, mode=late)
         survive_acc = survive_acc + jnp.sum(s0 * dend)
         return dq_acc, dk_acc, survive_acc
 
@@ -606,7 +619,7 @@ def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tai
         da = jnp.where(strict, parts(da_ref), 0.0)
         dbeta_ref[...] = jnp.where(first, dbeta_part_ref[...] + jnp.sum(da * kk * decay_strict, axis=1), 0.0)
         da_k = da * decay_strict * beta[:, None]  # dL/d(k_t . k_s)
-        dk = dk + _dot(da_k, k_k, mode=mode) + _dot(da_k, k_k, ta=True, mode=mode)
+        dk = dk + _dot(da_k, k_k, mode=late) + _dot(da_k, k_k, ta=True, mode=late)
         za = da_k * kk  # dA (.) A
         shared = dg_ref[...] + shared + jnp.sum(za, axis=1) - jnp.sum(za, axis=0)
     dlog_ref[...] = _dlog(jnp.sum(dq_state * q_k.astype(F32), axis=1), shared, end_ref[...], survive * survive_acc,
@@ -734,16 +747,24 @@ def _in_chunk_cumsum(cfg, log_decay):
     return jnp.stack([g.hi.reshape(B, Tp, Hv), g.lo.reshape(B, Tp, Hv)])
 
 
+def _gate_input(cfg, log_decay):
+    """G as the kernels read it. Without a decay it is zeros outright: the cumsums of a constant zero log-decay
+    were folded by XLA at compile time element by element (seconds per layer at training shapes)."""
+    if cfg.gated:
+        return _in_chunk_cumsum(cfg, log_decay)
+    return jnp.zeros((2,) + log_decay.shape, F32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _wy(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     """Differentiable in log_decay itself (not in G): the gate gradient comes out per token, see `_grad_kernel`."""
-    g = _in_chunk_cumsum(cfg, log_decay)
+    g = _gate_input(cfg, log_decay)
     t = _inverse_or_none(cfg, k, beta, g, doc)
     return _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=False)
 
 
 def _wy_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
-    g = _in_chunk_cumsum(cfg, log_decay)
+    g = _gate_input(cfg, log_decay)
     t = _inverse_or_none(cfg, k, beta, g, doc)
     o, final, starts = _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=True)
     return (o, final), (q, k, v, beta, g, doc, carry, tail, t, starts)
@@ -786,16 +807,19 @@ INVERSE_WARPS = 1
 DOTS = "split"
 INVERSE_DOTS = "split"
 GRAD_DOTS = "split"
+GRAD_K_DOTS = "split"
+STATE_DOTS = "split"
 
 
-def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret):
+def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gated=True):
     K, V = q.shape[3], v.shape[3]
     fp32 = jnp.dtype(q.dtype) == jnp.float32
     mode = lambda chosen: "highest" if fp32 else chosen
     grad_bv, grad_bk, grad_k_warps = GRAD_BLOCKS[GRAD_METHOD]
     return Config(
         scale=float(scale), chunk_size=chunk_size, key_heads=q.shape[2], value_heads=v.shape[2], delta=delta,
-        segmented=segmented, dots=mode(DOTS), inverse_dots=mode(INVERSE_DOTS), grad_dots=mode(GRAD_DOTS),
+        segmented=segmented, gated=gated, dots=mode(DOTS), state_dots=mode(STATE_DOTS),
+        inverse_dots=mode(INVERSE_DOTS), grad_dots=mode(GRAD_DOTS), grad_k_dots=mode(GRAD_K_DOTS),
         block_v=min(BLOCK_V if K <= 128 else 32, V), grad_block_v=min(grad_bv, V), grad_block_k=min(grad_bk or K, K),
         grad_method=GRAD_METHOD, warps=4, grad_warps=4, grad_k_warps=grad_k_warps,
         inverse_warps=INVERSE_WARPS, inverse_method=INVERSE_METHOD, stages=2, interpret=interpret)
@@ -824,8 +848,10 @@ def chunk_wy(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chu
     nt = -(-T // C)
     pad = nt * C - T
     delta = beta is not None
+    gated = log_decay is not None
     cfg = config or default_config(q, v, scale=scale, chunk_size=C, delta=delta,
-                                   segmented=segment_ids is not None, interpret=interpret)
+                                   segmented=segment_ids is not None, interpret=interpret, gated=gated)
+    cfg = dataclasses.replace(cfg, gated=gated)
     # Padding tokens have k = 0, beta = 0 and no decay: they leave the state unchanged.
     qp, kp, vp = (_pad_time(x, pad) for x in (q, k, v))
     beta_p = _pad_time(beta.astype(F32) if delta else jnp.zeros((B, T, Hv), F32), pad)

@@ -6,7 +6,7 @@ import secrets
 import numpy as np
 import pytest
 
-from deltajax.data import (BOS, MQAR, DataConfig, ModularArithmetic, PackedBytes, Parity, build_data,
+from deltajax.data import (BOS, MQAR, DataConfig, MQARMixture, ModularArithmetic, PackedBytes, Parity, build_data,
                            eval_batches, read_documents, split_documents, train_iterator)
 
 
@@ -36,6 +36,49 @@ def test_mqar_queries_follow_a_power_law():
     slots = np.concatenate([(np.flatnonzero(source[i]["weights"]) - 8) // 2 for i in range(300)])
     # Uniform placement would put the median slot near the middle (~126 of 252 slots).
     assert np.median(slots) < 60
+
+
+def test_mqar_mixture_draws_every_setting_at_one_padded_length():
+    settings = ((64, 4), (128, 8), (256, 16), (256, 32), (256, 64))
+    source = MQARMixture(settings, vocab_size=8192, seed=_seed())
+    assert source.seq_len == source.padded_len == 256
+    drawn = {}
+    for index in np.random.default_rng(1).integers(0, 10**12, 400):
+        x = source[index]
+        seq_len, pairs = source.setting(index)
+        drawn[(seq_len, pairs)] = drawn.get((seq_len, pairs), 0) + 1
+        assert all(x[k].shape == (256,) for k in ("inputs", "targets", "weights", "segment_ids"))
+        # The example proper: its pairs at the front, each query scored with the value it was given.
+        seq = np.concatenate([x["inputs"][:seq_len], x["targets"][seq_len - 1:seq_len]])
+        keys, values = seq[0:2 * pairs:2], seq[1:2 * pairs:2]
+        assert len(set(keys)) == pairs and keys.max() < 4096 and values.min() >= 4096
+        scored = np.flatnonzero(x["weights"])
+        assert len(scored) == pairs and 2 * pairs <= scored.min() and scored.max() < seq_len
+        lookup = dict(zip(keys, values))
+        assert all(x["targets"][t] == lookup[x["inputs"][t]] for t in scored)
+        # The padding: unscored random filler in a segment of its own, never a run of zeros.
+        assert (x["segment_ids"][:seq_len] == 1).all() and (x["segment_ids"][seq_len:] == 2).all()
+        if seq_len < 256:
+            filler = x["inputs"][seq_len:]
+            assert not x["weights"][seq_len:].any() and len(np.unique(filler)) > len(filler) // 2
+        np.testing.assert_array_equal(source[index]["inputs"], x["inputs"])  # a pure function of the index
+    # Every setting drawn, each about equally often (400 draws, 80 expected each).
+    assert set(drawn) == set(settings) and min(drawn.values()) > 40
+
+
+def test_mqar_mixture_draws_fresh_examples():
+    source = MQARMixture(((32, 4), (64, 8)), vocab_size=64, seed=_seed())
+    rows = [tuple(source[i]["inputs"]) for i in range(200)]
+    assert len(set(rows)) == 200  # no repeats
+    other = MQARMixture(((32, 4), (64, 8)), vocab_size=64, seed=source.seed + 1)
+    assert any(tuple(other[i]["inputs"]) != rows[i] for i in range(20))
+    # Its streams are apart from the plain source of the same seed (e.g. a test set).
+    plain = MQAR(64, vocab_size=64, num_kv_pairs=8, seed=source.seed + 1)
+    assert all(tuple(plain[i]["inputs"]) != rows[i] for i in range(200))
+    with pytest.raises(ValueError):
+        MQARMixture(((64, 20),), vocab_size=64)  # 20 pairs do not fit in 64 tokens
+    with pytest.raises(ValueError):
+        MQARMixture(((64, 4),), vocab_size=64, padded_len=32)
 
 
 def test_parity_targets():

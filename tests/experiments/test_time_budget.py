@@ -117,6 +117,40 @@ def test_a_run_fits_its_schedule_to_its_budget():
     assert 0.0 <= result["accuracy"]["test"] <= 1.0 and math.isfinite(result["final_loss"])
 
 
+def test_train_seconds_start_after_the_first_step():
+    config = common.model_config("deltanet_neg", vocab_size=2, d_model=16, n_layers=1, impl="scan")
+    eval_sets = {"train": common.fixed_batches(Parity(12, seed=1), 4, 1),
+                 "test": common.fixed_batches(Parity(24, seed=1), 4, 1)}
+    result = common.train_and_score(config, Parity(12), eval_sets, steps=1_000_000, batch_size=4,
+                                    learning_rate=3e-3, log=lambda *_: None, time_budget_s=120.0,
+                                    eval_reserve_s=5.0, train_seconds=6.0)
+    # The training window is train_seconds from the end of the compiling first step, not the 120 s budget.
+    assert result["train_window_s"] == pytest.approx(6.0)
+    assert result["first_step_seconds"] > 0 and result["eval_compile_seconds"] > 0
+    assert result["train_seconds"] < result["first_step_seconds"] + 3 * 6.0
+    assert 11 < result["steps"] <= result["schedule_steps"] < 1_000_000
+    assert all(0.0 <= result["accuracy"][k] <= 1.0 for k in ("train", "test"))
+    # The budget stays a hard limit: a window longer than the budget is cut to it.
+    result = common.train_and_score(config, Parity(12), eval_sets, steps=1_000_000, batch_size=4,
+                                    learning_rate=3e-3, log=lambda *_: None, time_budget_s=8.0,
+                                    eval_reserve_s=1.0, train_seconds=1000.0)
+    assert result["train_window_s"] < 8.0 and result["steps"] < 1_000_000
+
+
+def test_mqar_trains_on_a_mixture_and_tests_at_its_setting(tmp_path):
+    out_json = tmp_path / "mqar.json"
+    out, _ = run_script("mqar.py", "--variants=gated_deltanet", "--widths=16", "--steps=3", "--batch_size=4",
+                        "--eval_batches=1", "--seq_len=64", "--num_kv_pairs=8", "--vocab_size=64",
+                        "--train_mixture=16:2,32:4", "--impl=chunk",
+                        f"--out={out_json}", "--plot=")
+    record = json.loads(out_json.read_text())
+    (run,) = record["runs"]
+    assert record["settings"]["train_mixture"] == ["16:2", "32:4"] and run["rule_impl"] == "chunk"
+    assert run["train_data"].startswith("MQARMixture((16, 2), (32, 4); padded_len=32")
+    assert run["steps"] == 3 and 0.0 <= run["accuracy"]["test"] <= 1.0
+    assert "train on MQARMixture" in out and "test on MQAR(seq_len=64" in out
+
+
 def test_state_tracking_stops_within_its_budget_and_writes_results(tmp_path):
     out_json = tmp_path / "st.json"
     budget = 20.0

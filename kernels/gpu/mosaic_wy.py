@@ -1,0 +1,329 @@
+"""Forward pass of the Gated DeltaNet (delta rule, scalar decay) in the chunkwise WY form as a Mosaic GPU kernel.
+
+The math is equations (1)-(6) of `wy_chunk` (see its docstring). The chunk-parallel parts are shared with the
+Triton path: the compensated in-chunk gates G = hi + lo and the in-chunk inverse T of eq. (2) come from
+`wy_chunk._in_chunk_cumsum` and `wy_chunk._inverse`. This module replaces the sequential pass (`_forward_kernel`)
+by a `plgpu.kernel` for Hopper:
+
+- grid (V/BV, B*Hv), one warpgroup per CTA; CTA (j, bh) owns the state block S[:, j*BV:(j+1)*BV] (K x BV, fp32,
+  in registers in the WGMMA layout) of value head bh and walks the chunks in order;
+- the chunk inputs (q, k: C x K; v: C x BV; T as bf16 hi/lo: C x C; per-token scalars) stream through
+  `plgpu.emit_pipeline` (TMA, double buffered); the state is the pipeline's carry;
+- every product is a wgmma with bf16 operands and an fp32 accumulator. fp32 operands (S_0, y, u, P, T) enter as
+  bf16 hi/lo pairs, x = hi + lo with hi = bf16(x) and lo = bf16(x - hi), and a product of two such operands is
+  hi*hi + hi*lo + lo*hi (the "split" mode of `common.dot`, ~2^-16 relative per product).
+
+Per chunk (C = 64, K = 128, BV = 64), with the wgmma shapes M x N x K:
+
+    KS = k @ S_0,  QS = q @ S_0       2 x (64 x 64 x 128) each (S_0 as hi/lo in SMEM)      (3), (5)
+    QK = q @ k^T                      64 x 64 x 128
+    y  = v - carry exp(G) (.) KS,  b = beta (.) y                                           (3)
+    u  = T @ b                        3 x (64 x 64 x 64)                                     (4)
+    O  = scale [carry exp(G) (.) QS + (QK (.) exp(G_t - G_s), t >= s, same doc) @ u]        (5)
+                                      3 x (64 x 64 x 64), P as hi/lo in SMEM
+    S  = carry_C exp(G_C) S_0 + k^T @ (tail exp(G_C - G) (.) u)
+                                      2 x (128 x 64 x 64), k^T a transposed SMEM view         (6)
+
+Inputs are bf16 q/k/v with K = V = 128 and Hv == H (no key-head sharing yet); the per-token scalars carry
+exp(G), tail exp(G_C - G), the chunk survival factor and the document masks are computed in XLA as in
+`wy_chunk.chunk_wy`. Forward only: the function is a `custom_vjp` whose backward raises.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from deltajax.kernels.gpu import wy_chunk
+from deltajax.rules.common import document_index
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+HEAD_DIM = 128  # the only K and V supported
+CHUNK = 64  # the only chunk size supported
+BLOCK_V = 64  # BV: V columns of the state per CTA
+MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline
+SWIZZLE = 128  # bytes; rows of 64 bf16
+NO_BACKWARD = ("chunk_wy_mosaic has no backward yet: the Mosaic GPU path is forward only. Differentiate through "
+               "deltajax.kernels.gpu.wy_chunk.chunk_wy (the Triton kernels) instead.")
+
+
+def _tiled(shape, dtype=BF16):
+    """An SMEM buffer laid out for wgmma operands (8-row tiles, 128-byte swizzle)."""
+    elems = SWIZZLE // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE)))
+
+
+def _tiled_spec(block_shape, index_map):
+    elems = SWIZZLE // 2
+    return plgpu.BlockSpec(block_shape=block_shape, index_map=index_map,
+                           transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE)))
+
+
+def _acc(m, n):
+    """A zero-initialised m x n fp32 wgmma accumulator (a `pl.run_scoped` allocation: the Mosaic GPU
+    interpreter runs `run_scoped` accumulators but not `pl.run_state` ones, so initial values are added after)."""
+    return plgpu.ACC((m, n), F32)
+
+
+def _split(x):
+    """x = hi + lo (+ ~2^-17 |x|) as two bf16 values."""
+    hi = x.astype(BF16)
+    return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def _wgmma_layout(x):
+    """x pinned to the WGMMA register layout. These annotations keep Mosaic GPU's layout search small and the
+    layouts explicit; the kernel also lowers without them."""
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+
+def _store_split(x, hi_ref, lo_ref):
+    hi, lo = _split(_wgmma_layout(x))
+    hi, lo = _wgmma_layout(hi), _wgmma_layout(lo)
+    hi_ref[...] = hi
+    lo_ref[...] = lo
+
+
+def _rows(ref, m):
+    """A (n,) SMEM vector broadcast to n x m (x[t, :] = ref[t]) in the WGMMA layout."""
+    x = plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+    return _wgmma_layout(lax.broadcast_in_dim(x, (ref.shape[0], m), [0]))
+
+
+def _cols(ref, m):
+    """A (n,) SMEM vector broadcast to m x n (x[:, s] = ref[s]) in the WGMMA layout."""
+    x = plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+    return _wgmma_layout(lax.broadcast_in_dim(x, (m, ref.shape[0]), [1]))
+
+
+def _forward_body(q_ref, k_ref, v_ref, t_hi_ref, t_lo_ref, vec_ref, doc_ref, survive_ref, h0_ref,
+                  o_ref, final_ref, s_hi, s_lo, x_hi, x_lo, u_hi, u_lo, p_hi, p_lo, o_smem, *,
+                  scale, nt, num_heads, segmented):
+    """One CTA: value head bh = b * Hv + h, V block j. vec_ref rows: G hi, G lo, beta, carry exp(G),
+    tail exp(G_C - G) (each (B*Hv, Tp)); doc_ref: the document index as fp32 (B, Tp); survive_ref: the chunk
+    survival factor repeated K times per chunk (B*Hv, nt*K).
+
+    G and doc enter the pipeline twice, once for the rows and once for the columns of the C x C mask and decay:
+    Mosaic GPU's layout inference finds no solution when one SMEM vector is loaded in both the row and the column
+    layout (see docs/mosaic.md)."""
+    C, K, BV = CHUNK, HEAD_DIM, BLOCK_V
+    j = lax.axis_index("v_block")
+    bh = lax.axis_index("head")
+    b, h = bh // num_heads, bh % num_heads
+    cols = pl.ds(j * BV, BV)
+
+    # The state block goes between GMEM and registers directly (once per CTA, not worth SMEM and a TMA).
+    s0 = plgpu.load(h0_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+
+    def chunk(indices, q, k, v, t_hi, t_lo, g_hi, g_lo, beta, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c,
+              s):
+        (i,) = indices
+        _store_split(s, s_hi, s_lo)
+        plgpu.commit_smem()  # the generic-proxy stores must be visible to the wgmmas (async proxy)
+
+        def state_products(ks_ref, qs_ref, qk_ref):
+            plgpu.wgmma(ks_ref, k, s_hi)
+            plgpu.wgmma(ks_ref, k, s_lo)
+            plgpu.wgmma(qs_ref, q, s_hi)
+            plgpu.wgmma(qs_ref, q, s_lo)
+            plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
+            return ks_ref[...], qs_ref[...], qk_ref[...]
+
+        ks, qs, qk = pl.run_scoped(state_products, _acc(C, BV), _acc(C, BV), _acc(C, C))
+
+        start_rows = _rows(from_start, BV)
+        y = _wgmma_layout(plgpu.load(v, layout=plgpu.Layout.WGMMA).astype(F32) - start_rows * ks)  # (3)
+        _store_split(_rows(beta, BV) * y, x_hi, x_lo)
+        plgpu.commit_smem()
+
+        def inverse_product(acc_ref):  # (4): u = T diag(beta) y
+            plgpu.wgmma(acc_ref, t_hi, x_hi)
+            plgpu.wgmma(acc_ref, t_hi, x_lo)
+            plgpu.wgmma(acc_ref, t_lo, x_hi)
+            return acc_ref[...]
+
+        u = pl.run_scoped(inverse_product, _acc(C, BV))
+        _store_split(u, u_hi, u_lo)
+        # x_* is free again (the wgmmas above have completed): it takes the state-update operand of (6).
+        _store_split(_rows(to_end, BV) * u, x_hi, x_lo)
+        plgpu.commit_smem()
+
+        # (5): the masked, decayed Q K^T. The gate difference is taken part by part so that near-1 decays after a
+        # large cumulative gate keep their fp32 accuracy, and masked before the exp so that it cannot overflow.
+        row = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=plgpu.Layout.WGMMA)
+        col = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=plgpu.Layout.WGMMA)
+        mask = row >= col
+        if segmented:
+            mask = mask & (_rows(doc, C) == _cols(doc_c, C))
+        diff = _wgmma_layout((_rows(g_hi, C) - _cols(g_hi_c, C)) + (_rows(g_lo, C) - _cols(g_lo_c, C)))
+        # P goes through SMEM: the interpreter runs only SMEM operands of wgmma (see docs/mosaic.md).
+        _store_split(qk * jnp.exp(jnp.where(mask, diff, -jnp.inf)), p_hi, p_lo)
+        plgpu.commit_smem()
+
+        def output_product(acc_ref):
+            plgpu.wgmma(acc_ref, p_hi, u_hi)
+            plgpu.wgmma(acc_ref, p_hi, u_lo)
+            plgpu.wgmma(acc_ref, p_lo, u_hi)
+            return acc_ref[...]
+
+        o = _wgmma_layout(start_rows * qs + pl.run_scoped(output_product, _acc(C, BV)))
+
+        def state_update(acc_ref):  # (6)
+            plgpu.wgmma(acc_ref, k.transpose((1, 0)), x_hi)
+            plgpu.wgmma(acc_ref, k.transpose((1, 0)), x_lo)
+            return acc_ref[...]
+
+        s_next = _wgmma_layout(_rows(survive, BV) * s + pl.run_scoped(state_update, _acc(K, BV)))
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output has left o_smem
+        o_smem[...] = _wgmma_layout((scale * o).astype(o_smem.dtype))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(i * C, C), h, cols])
+        return s_next
+
+    tiled = lambda shape, index: _tiled_spec(shape, index)
+    vector = lambda: plgpu.BlockSpec(block_shape=(C,), index_map=lambda i: (i,))
+    pipeline = plgpu.emit_pipeline(
+        chunk,
+        grid=(nt,),
+        in_specs=[tiled((C, K), lambda i: (i, 0)), tiled((C, K), lambda i: (i, 0)),
+                  tiled((C, BV), lambda i: (i, 0)), tiled((C, C), lambda i: (i, 0)), tiled((C, C), lambda i: (i, 0)),
+                  vector(), vector(), vector(), vector(), vector(),
+                  plgpu.BlockSpec(block_shape=(K,), index_map=lambda i: (i,)),
+                  vector(), vector(), vector(), vector()],
+        max_concurrent_steps=MAX_CONCURRENT_STEPS,
+        init_carry=s0,
+    )
+    final = pipeline(q_ref.at[b, :, h, :], k_ref.at[b, :, h, :], v_ref.at[b, :, h, cols], t_hi_ref.at[b, :, h, :],
+                     t_lo_ref.at[b, :, h, :], vec_ref.at[0, bh], vec_ref.at[1, bh], vec_ref.at[2, bh],
+                     vec_ref.at[3, bh], vec_ref.at[4, bh], survive_ref.at[bh], vec_ref.at[0, bh], vec_ref.at[1, bh],
+                     doc_ref.at[b], doc_ref.at[b])
+    final_ref.at[b, h, :, cols][...] = final
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _forward_pass(q, k, v, t_hi, t_lo, vectors, doc, survive, h0, *, scale, segmented, interpret):
+    B, Tp, H, K = q.shape
+    V = v.shape[-1]
+    body = functools.partial(_forward_body, scale=scale, nt=Tp // CHUNK, num_heads=H, segmented=segmented)
+    return plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32)),
+        scratch_types=(
+            _tiled((K, BLOCK_V)), _tiled((K, BLOCK_V)),  # S_0 as hi, lo
+            _tiled((CHUNK, BLOCK_V)), _tiled((CHUNK, BLOCK_V)),  # diag(beta) y, then diag(tail exp(G_C - G)) u
+            _tiled((CHUNK, BLOCK_V)), _tiled((CHUNK, BLOCK_V)),  # u as hi, lo
+            _tiled((CHUNK, CHUNK)), _tiled((CHUNK, CHUNK)),  # the masked, decayed Q K^T as hi, lo
+            plgpu.SMEM((CHUNK, BLOCK_V), v.dtype),  # the output tile on its way to GMEM
+        ),
+        grid=(V // BLOCK_V, B * H),
+        grid_names=("v_block", "head"),
+        compiler_params=plgpu.CompilerParams(),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        kernel_name="wy_forward_mosaic",
+    )(q, k, v, t_hi, t_lo, vectors, doc, survive, h0)
+
+
+def _prepare_and_run(q, k, v, beta, log_decay, doc, carry, tail, h0, *, scale, segmented, interpret):
+    """Padded inputs -> (o, final state). The chunk-parallel parts in XLA and Triton, the sequential pass in
+    Mosaic GPU."""
+    B, Tp, H, K = q.shape
+    nt, C = Tp // CHUNK, CHUNK
+    cfg = wy_chunk.default_config(q, v, scale=scale, chunk_size=C, delta=True, segmented=segmented,
+                                  interpret=interpret)
+    g = wy_chunk._in_chunk_cumsum(cfg, log_decay)  # [hi, lo] x (B, Tp, H)
+    t = wy_chunk._inverse(cfg, k, beta, g, doc)  # (B, Tp, H, C) fp32
+    t_hi = t.astype(BF16)
+    t_lo = (t - t_hi.astype(F32)).astype(BF16)
+
+    hi, lo = (x.reshape(B, nt, C, H) for x in g)
+    carry_c, tail_c = carry.reshape(B, nt, C, 1), tail.reshape(B, nt, C, 1)
+    from_start = carry_c * jnp.exp(hi + lo)
+    to_end = tail_c * jnp.exp((hi[:, :, -1:] - hi) + (lo[:, :, -1:] - lo))
+    survive = carry_c[:, :, -1] * jnp.exp(hi[:, :, -1] + lo[:, :, -1])  # (B, nt, H)
+    heads_major = lambda x: jnp.moveaxis(x.reshape(B, Tp, H), 2, 1).reshape(B * H, Tp)
+    vectors = jnp.stack([heads_major(x) for x in (hi, lo, beta, from_start, to_end)])  # (5, B*H, Tp)
+    survive = jnp.broadcast_to(jnp.moveaxis(survive, 2, 1)[..., None], (B, H, nt, K)).reshape(B * H, nt * K)
+    return _forward_pass(q, k, v, t_hi, t_lo, vectors, doc.astype(F32), survive, h0, scale=scale,
+                         segmented=segmented, interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _wy_mosaic(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
+    scale, segmented, interpret = static
+    return _prepare_and_run(q, k, v, beta, log_decay, doc, carry, tail, h0, scale=scale, segmented=segmented,
+                            interpret=interpret)
+
+
+def _wy_mosaic_fwd(static, *args):
+    return _wy_mosaic(static, *args), None
+
+
+def _wy_mosaic_bwd(static, residuals, cotangents):
+    raise NotImplementedError(NO_BACKWARD)
+
+
+_wy_mosaic.defvjp(_wy_mosaic_fwd, _wy_mosaic_bwd)
+
+
+def _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size):
+    if q.ndim != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must have the same shape (B, T, H, K), got {q.shape} and {k.shape}")
+    B, T, H, K = q.shape
+    if K != HEAD_DIM:
+        raise ValueError(f"q/k head dim K must be {HEAD_DIM} (the only size supported), got {K}")
+    if v.ndim != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v must have shape (B, T, Hv, V) matching q, got {v.shape}")
+    if v.shape[2] != H:
+        raise ValueError(f"value heads Hv must equal key heads H (key-head sharing is not supported yet), got "
+                         f"Hv={v.shape[2]}, H={H}")
+    if v.shape[3] != HEAD_DIM:
+        raise ValueError(f"v head dim V must be {HEAD_DIM} (the only size supported), got {v.shape[3]}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype != BF16:
+            raise ValueError(f"{name} must be bfloat16 (the only input dtype supported), got {x.dtype}")
+    if beta is None:
+        raise ValueError("beta is None (linear attention) is not supported: the Mosaic path is the delta rule only")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must have shape (B, T, Hv) = {(B, T, H)}, got {beta.shape}")
+    if log_decay is not None and log_decay.shape != (B, T, H):
+        raise ValueError(f"log_decay must be a scalar decay per token and head, shape {(B, T, H)} "
+                         f"(per-key decay, KDA, is not supported), got {log_decay.shape}")
+    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[3]):
+        raise ValueError(f"initial_state must have shape {(B, H, K, v.shape[3])}, got {initial_state.shape}")
+    if chunk_size != CHUNK:
+        raise ValueError(f"chunk_size must be {CHUNK} (the only size supported), got {chunk_size}")
+
+
+def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64, interpret=None):
+    """Gated DeltaNet forward (o, final_state) with the sequential pass in Mosaic GPU; the signature of
+    `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K = V = 128, Hv == H, scalar or no decay, any T, optional
+    initial state and segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
+    kernel in the Mosaic GPU interpreter. Forward only: differentiating it raises NotImplementedError."""
+    _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    C = chunk_size
+    nt = -(-T // C)
+    pad = nt * C - T
+    # Padding tokens have k = 0, beta = 0 and no decay: they leave the state unchanged.
+    qp, kp, vp = (wy_chunk._pad_time(x, pad) for x in (q, k, v))
+    beta_p = wy_chunk._pad_time(beta.astype(F32), pad)
+    log_decay = jnp.zeros((B, T, H), F32) if log_decay is None else log_decay.astype(F32)
+    doc = wy_chunk._pad_time(document_index(segment_ids, B, T), pad, mode="edge")
+    chunks = doc.reshape(B, nt, C)
+    before = jnp.concatenate([chunks[:, :1, :1], chunks[:, :-1, -1:]], axis=1)  # last doc of the previous chunk
+    carry = (chunks == before).astype(F32).reshape(B, nt * C)
+    tail = (chunks == chunks[:, :, -1:]).astype(F32).reshape(B, nt * C)
+    h0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
+    static = (float(scale), segment_ids is not None, bool(interpret))
+    o, final = _wy_mosaic(static, qp, kp, vp, beta_p, wy_chunk._pad_time(log_decay, pad), doc, carry, tail, h0)
+    return o[:, :T], final

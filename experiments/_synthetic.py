@@ -383,3 +383,11 @@ def load_runs(paths) -> list[dict]:
         with open(path) as f:
             records.extend(json.load(f)["runs"])
     return records
+
+
+def tabulate(paths, print_table, plot_fn, plot_path: str):
+    """The scripts' --tabulate: merge the runs of these result files, print their table, plot them (if a path)."""
+    records = load_runs(paths)
+    print_table(records)
+    if plot_path:
+        try_plot(plot_fn, records, plot_path)

@@ -106,10 +106,7 @@ def main(argv):
     from deltajax.train.metrics import read_records
 
     if FLAGS.tabulate:
-        records = common.load_runs(FLAGS.tabulate)
-        print_table(records)
-        if FLAGS.plot:
-            common.try_plot(plot, records, FLAGS.plot)
+        common.tabulate(FLAGS.tabulate, print_table, plot, FLAGS.plot)
         return
     impl = common.default_impl(FLAGS.impl)
     header = common.run_header()

@@ -133,10 +133,7 @@ def main(argv):
     from deltajax.data import MQAR, MQARMixture
 
     if FLAGS.tabulate:
-        records = common.load_runs(FLAGS.tabulate)
-        print_table(records)
-        if FLAGS.plot:
-            common.try_plot(plot, records, FLAGS.plot)
+        common.tabulate(FLAGS.tabulate, print_table, plot, FLAGS.plot)
         return
 
     common.start_data_workers(FLAGS.data_workers)  # forks: before JAX starts a backend

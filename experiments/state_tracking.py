@@ -143,10 +143,7 @@ def main(argv):
     import _synthetic as common
 
     if FLAGS.tabulate:
-        records = common.load_runs(FLAGS.tabulate)
-        print_table(records)
-        if FLAGS.plot:
-            common.try_plot(plot, records, FLAGS.plot)
+        common.tabulate(FLAGS.tabulate, print_table, plot, FLAGS.plot)
         return
     common.start_data_workers(FLAGS.data_workers)  # forks: before JAX starts a backend
     impl = common.default_impl(FLAGS.impl)

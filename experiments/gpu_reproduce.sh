@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device call (one H100, at most 10 minutes): the research reproductions of docs/results.md sections 1-3 at
+# Device calls (one H100, at most 10 minutes each): the research reproductions of docs/results.md sections 1-3 at
 # GPU scale, inside a total wall budget (default 540 s, install, compilation and the summary included).
 #
 #   bash tools/fetch_gpu_wheels.sh                 # once, here: grain's wheels into .whl/ (carried)
-#   OUT=$OUT bash experiments/gpu_reproduce.sh     # on the device; results in $OUT/results, logs in $OUT
+#   OUT=$OUT MQAR=0 LM=0 bash experiments/gpu_reproduce.sh   # on the device, one part per call (ST, MQAR, LM:
+#                                                           # 21 runs at once do not fit one GPU); results in
+#                                                           # $OUT/results, logs in $OUT
 #   SCALE=smoke OUT=/tmp/repro PYTHON=.venv/bin/python bash experiments/gpu_reproduce.sh   # CPU check, minutes
 #
 # One process per run (variant x width), all started together on the one GPU, so that no run waits for another's
@@ -36,6 +38,9 @@ mkdir -p "$RES/parts"
 PY=${PYTHON:-python3}
 SCALE=${SCALE:-gpu}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
+# The second H100 attempt (2026-11-23 15:57) spent 2.3-2.5 minutes per XLA module autotuning GEMM fusions with 21
+# processes sharing 16 cores: autotuning off by default here (AUTOTUNE=1 keeps XLA's default).
+[ "${AUTOTUNE:-0}" = 1 ] || export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 now() { echo $(( $(date +%s) - T0 )); }
 
 case $SCALE in
@@ -99,6 +104,14 @@ fi
 jobs=$(( $(echo $ST_VARIANTS | wc -w) + $(echo $MQAR_VARIANTS | wc -w) * $(echo $MQAR_WIDTHS | wc -w) ))
 [ "$LM" = 0 ] || jobs=$(( jobs + $(echo $LM_VARIANTS | wc -w) ))
 if [ "$jobs" = 0 ]; then echo "nothing to run: ST, MQAR and LM are all 0"; exit 2; fi
+# Each concurrent process gets an equal share of the GPU's memory, so that one cannot starve the others (the same
+# attempt lost 7 of 21 runs to out-of-memory errors). More than MAX_JOBS concurrent runs is refused: split the
+# parts over calls with the ST/MQAR/LM toggles (e.g. MQAR=0 LM=0, then ST=0 LM=0, then ST=0 MQAR=0).
+MAX_JOBS=${MAX_JOBS:-12}
+if [ "$SERIAL" != 1 ] && [ "$jobs" -gt "$MAX_JOBS" ]; then
+  echo "$jobs concurrent runs would share one GPU (more than MAX_JOBS=$MAX_JOBS): split them with ST/MQAR/LM"; exit 2
+fi
+[ "$SERIAL" = 1 ] || export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-$(awk "BEGIN { printf \"%.3f\", 0.9 / $jobs }")}
 # What is left for the jobs: in parallel each job gets all of it, in sequence an equal part.
 left=$(( TOTAL_S - $(now) - FINAL_S - GRACE_S ))
 if [ "$SERIAL" = 1 ]; then left=$(( (TOTAL_S - $(now) - FINAL_S) / jobs - GRACE_S )); fi

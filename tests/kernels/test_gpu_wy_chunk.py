@@ -90,14 +90,14 @@ def _grads(fn, x, op):
     return dict(zip(names, jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))(*[x[n] for n in names])))
 
 
-def _check(x, op, out_tol, grad_tols, fn=None, reference=recurrent_scan):
+def _check(x, op, out_tol, grad_tols, fn=None, reference=recurrent_scan, state_tol=None):
     fn = fn or _kernel()
     ref_inputs = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
     o, s = _call(fn, x, op)
     o_ref, s_ref = _call(reference, ref_inputs, op)
     assert o.dtype == x["v"].dtype and s.dtype == jnp.float32
     assert relative_error(o, o_ref) <= out_tol, relative_error(o, o_ref)
-    assert relative_error(s, s_ref) <= out_tol, relative_error(s, s_ref)
+    assert relative_error(s, s_ref) <= (state_tol or out_tol), relative_error(s, s_ref)
     if grad_tols is None:
         return
     grads, grads_ref = _grads(fn, x, op), _grads(reference, ref_inputs, op)
@@ -163,9 +163,20 @@ ADVERSARIAL = ("correlated_keys_decay_near_0", "decay_down_to_-20", "decay_-20_e
 @pytest.mark.parametrize("grad", list(GRAD_VARIANTS))
 @pytest.mark.parametrize("family", ADVERSARIAL)
 def test_adversarial_fp32(family, grad):
+    """fp32 outputs and final state within 1e-5 of the scan's, or within twice the error of the XLA chunked form
+    on the same inputs where that is larger. With correlated keys and beta near 2, every chunked fp32 evaluation
+    tested (the XLA chunk form, the kernels at C = 64 and 32, with one step of iterative refinement of u) lands
+    1e-6 to 1.6e-5 from the scan (which agrees with a float64 scan to 8e-7): the chunk form's own error is what
+    fp32 allows a chunked algorithm there. A kernel worse than it can still fail: the block-substitution inverse
+    (3x the chunk form's output error on these inputs) failed in 1 of 9 draws."""
     dims = {} if grad == "fused" else dict(K=32, V=32)  # two K and two V blocks of 16
-    _check(_adversarial(fresh_key(), family, **dims), "delta_rule", FP32_OUT_TOL, _fp32_grad_tol,
-           fn=_kernel(GRAD_VARIANTS[grad]))
+    x = _adversarial(fresh_key(), family, **dims)
+    ref_inputs = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
+    o_ref, s_ref = _call(recurrent_scan, ref_inputs, "delta_rule")
+    o_chunk, s_chunk = _call(dispatch.implementations("delta_rule")["chunk"].fn, ref_inputs, "delta_rule")
+    out_tol = max(FP32_OUT_TOL, 2 * relative_error(o_chunk, o_ref))
+    state_tol = max(FP32_OUT_TOL, 2 * relative_error(s_chunk, s_ref))
+    _check(x, "delta_rule", out_tol, _fp32_grad_tol, fn=_kernel(GRAD_VARIANTS[grad]), state_tol=state_tol)
 
 
 def _inverse_inputs(key, dtype, *, B=2, T=192, H=1, Hv=2, K=32):

@@ -29,6 +29,7 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _run_flags  # noqa: E402  (experiments/)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tasks", ["parity"], "Any of parity, modular, modular_brackets.")
@@ -47,14 +48,7 @@ flags.DEFINE_integer("eval_batches", 4, "Evaluation batches (of --batch_size) pe
 flags.DEFINE_string("impl", None, "Rule implementation (default: scan on CPU, auto elsewhere).")
 flags.DEFINE_integer("chunk_size", 64, "Chunk of the chunked forms (64: what the Pallas GPU kernels take).")
 flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Compute dtype of the models.")
-flags.DEFINE_float("time_budget_s", None, "Wall seconds for all runs together (compilation and evaluation "
-                   "included), split evenly; each run fits its schedule to at most --steps steps that fit its share "
-                   "and stops at its deadline. Unset: exactly --steps steps.")
-flags.DEFINE_float("train_seconds", None, "Training wall seconds of every run, counted from the end of its first "
-                   "(compiling) step, within its share of --time_budget_s (see experiments/_synthetic.py). Unset: "
-                   "each run trains until its share's deadline.")
-flags.DEFINE_integer("data_workers", 0, "Processes building training batches (0: in the main process).")
-flags.DEFINE_integer("seed", 0, "Initialisation and data seed.")
+_run_flags.define_run_flags()
 flags.DEFINE_string("out", "docs/figures/state_tracking.json", "JSON record of the runs.")
 flags.DEFINE_string("plot", "docs/figures/state_tracking.png", "Bar plot of scaled test accuracy ('' for none).")
 flags.DEFINE_list("tabulate", [], "Train nothing: merge the runs of these JSON records (e.g. one per process), print "

@@ -11,6 +11,15 @@ SWEEP_SIZES=${SWEEP_SIZES:-8x2048x16x128}
 BENCH_SIZES=${BENCH_SIZES:-8x2048x16x128,2x8192x16x128,1x32768x16x128}
 BENCH_IMPLS=${BENCH_IMPLS:-chunk,chunk_assoc,pallas}
 want() { [[ $MODE == all || ",$MODE," == *",$1,"* ]]; }
+# The GPU tests compile Triton kernels per test, on the CPU: one test at a time took 230 s for 8 tests (H100,
+# 2026-11-23). With pytest-xdist (its wheels carried in .whl/, tools/fetch_gpu_wheels.sh) TEST_WORKERS processes
+# compile side by side on the machine's 16 cores.
+PARALLEL=""
+if ! python3 -c "import xdist" >/dev/null 2>&1 && compgen -G ".whl/pytest_xdist-*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/xdist_site .whl/pytest_xdist-*.whl \
+    .whl/execnet-*.whl >>"$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/xdist_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if python3 -c "import xdist" >/dev/null 2>&1; then PARALLEL="-n ${TEST_WORKERS:-6}"; fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
   || { echo "editable install failed, see install.log"; tail -5 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/device.txt"
@@ -24,11 +33,11 @@ if want precision; then
     --variants="${PRECISION_VARIANTS:-default}" 2>&1 | grep -v Warning | tee "$OUT/precision.log"
 fi
 if want tests; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_wy_chunk.py -k "${TESTS:-gpu_bf16 or gpu_fp32 or gpu_adversarial or gpu_dispatch}" \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider $PARALLEL tests/kernels/test_gpu_wy_chunk.py -k "${TESTS:-gpu_bf16 or gpu_fp32 or gpu_adversarial or gpu_dispatch}" \
     -rA --tb=short ${PYTEST_EXTRA:-} 2>&1 | tee "$OUT/pytest.log" | grep -E "PASS|FAIL|Error|error|assert|passed|failed"
 fi
 if want kda_tests; then
-  timeout ${KDA_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kda.py -k "${KDA_TESTS:-test_gpu_}" \
+  timeout ${KDA_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider $PARALLEL tests/kernels/test_gpu_kda.py -k "${KDA_TESTS:-test_gpu_}" \
     -rA --tb=short 2>&1 | tee "$OUT/pytest_kda.log" | grep -E "PASS|FAIL|Error|error|assert|passed|failed"
 fi
 if want bench; then

@@ -1,6 +1,7 @@
 """Where the Mosaic GPU forward pass (`kernels/gpu/mosaic_wy.py`) loses precision: relative errors of o and of the
 final state against the fp32 scan, next to the Triton forward pass, on cases that switch the kernel's pieces on one
-at a time.
+at a time, with the split products' lo terms accumulated with hi*hi ("shared") or apart ("separate",
+`mosaic_wy.LO_ACCUMULATORS`).
 
     python experiments/mosaic_precision.py               # on the H100: the compiled kernels
     python experiments/mosaic_precision.py --interpret   # on CPU: the Mosaic GPU and Pallas interpreters
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltajax.kernels.gpu.mosaic_wy import HEAD_DIM, chunk_wy_mosaic
+from deltajax.kernels.gpu.mosaic_wy import HEAD_DIM, LO_ACCUMULATORS, chunk_wy_mosaic
 from deltajax.kernels.gpu.wy_chunk import chunk_wy
 from deltajax.rules.scan import recurrent_scan
 
@@ -71,17 +72,21 @@ def main(argv):
     del argv
     interpret = FLAGS.interpret or jax.default_backend() != "gpu"
     print(f"# backend {jax.default_backend()}, jax {jax.__version__}, interpret={interpret}")
-    print("| case | draw | bf16 floor of o | mosaic o | mosaic state | triton o | triton state |")
-    print("|---|---|---|---|---|---|---|")
+    print("| case | draw | bf16 floor of o | mosaic o | mosaic state | mosaic o, separate | mosaic state, separate "
+          "| triton o | triton state |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in FLAGS.cases:
         for draw in range(FLAGS.draws):
             x = _inputs(jax.random.PRNGKey(draw), *CASES[name])
             reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
             o_ref, s_ref = _run(recurrent_scan, reference)
             floor = _relative(o_ref.astype(jnp.bfloat16), o_ref)
-            o_m, s_m = _run(chunk_wy_mosaic, x, interpret=interpret)
-            o_t, s_t = _run(chunk_wy, x, interpret=interpret)
-            errors = [_relative(o_m, o_ref), _relative(s_m, s_ref), _relative(o_t, o_ref), _relative(s_t, s_ref)]
+            errors = []
+            for lo_accumulators in LO_ACCUMULATORS:
+                o, s = _run(chunk_wy_mosaic, x, interpret=interpret, lo_accumulators=lo_accumulators)
+                errors += [_relative(o, o_ref), _relative(s, s_ref)]
+            o, s = _run(chunk_wy, x, interpret=interpret)
+            errors += [_relative(o, o_ref), _relative(s, s_ref)]
             print(f"| {name} | {draw} | {floor:.2e} | " + " | ".join(f"{e:.2e}" for e in errors) + " |", flush=True)
 
 

@@ -49,6 +49,12 @@ CHUNK = 64  # the only chunk size supported
 BLOCK_V = 64  # BV: V columns of the state per CTA
 MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline
 SWIZZLE = 128  # bytes; rows of 64 bf16
+# Where the hi*lo and lo*hi terms of a split product are accumulated: "shared", into the accumulator of hi*hi
+# (fewest registers); "separate", into an accumulator of their own, added to hi*hi in fp32 registers (as the
+# Triton kernels do, one tl.dot per term). On the H100 (2026-11-23) "shared" left the final state 2e-4 to 3e-4 from
+# the scan where the interpreter gives 3e-6 to 3e-5; one explanation to test is tensor-core accumulation that
+# keeps fewer bits than fp32 when small terms are added to a large accumulator, which "separate" avoids.
+LO_ACCUMULATORS = ("shared", "separate")
 NO_BACKWARD = ("chunk_wy_mosaic has no backward yet: the Mosaic GPU path is forward only. Differentiate through "
                "deltajax.kernels.gpu.wy_chunk.chunk_wy (the Triton kernels) instead.")
 
@@ -102,9 +108,27 @@ def _cols(ref, m):
     return _wgmma_layout(lax.broadcast_in_dim(x, (m, ref.shape[0]), [1]))
 
 
+def _split_product(a_hi, a_lo, b_hi, b_lo, m, n, separate):
+    """a @ b for two fp32 operands given as bf16 hi/lo SMEM tiles: hi*hi + hi*lo + lo*hi (`LO_ACCUMULATORS`)."""
+
+    def shared(acc_ref):
+        plgpu.wgmma(acc_ref, a_hi, b_hi)
+        plgpu.wgmma(acc_ref, a_hi, b_lo)
+        plgpu.wgmma(acc_ref, a_lo, b_hi)
+        return acc_ref[...]
+
+    def apart(hi_ref, lo_ref):
+        plgpu.wgmma(hi_ref, a_hi, b_hi)
+        plgpu.wgmma(lo_ref, a_hi, b_lo)
+        plgpu.wgmma(lo_ref, a_lo, b_hi)
+        return _wgmma_layout(hi_ref[...] + lo_ref[...])
+
+    return pl.run_scoped(apart, _acc(m, n), _acc(m, n)) if separate else pl.run_scoped(shared, _acc(m, n))
+
+
 def _forward_body(q_ref, k_ref, v_ref, t_hi_ref, t_lo_ref, vec_ref, doc_ref, survive_ref, h0_ref,
                   o_ref, final_ref, s_hi, s_lo, x_hi, x_lo, u_hi, u_lo, p_hi, p_lo, o_smem, *,
-                  scale, nt, num_heads, segmented):
+                  scale, nt, num_heads, segmented, lo_accumulators):
     """One CTA: value head bh = b * Hv + h, V block j. vec_ref rows: G hi, G lo, beta, carry exp(G),
     tail exp(G_C - G) (each (B*Hv, Tp)); doc_ref: the document index as fp32 (B, Tp); survive_ref: the chunk
     survival factor repeated K times per chunk (B*Hv, nt*K).
@@ -113,6 +137,7 @@ def _forward_body(q_ref, k_ref, v_ref, t_hi_ref, t_lo_ref, vec_ref, doc_ref, sur
     Mosaic GPU's layout inference finds no solution when one SMEM vector is loaded in both the row and the column
     layout (see docs/mosaic.md)."""
     C, K, BV = CHUNK, HEAD_DIM, BLOCK_V
+    separate = lo_accumulators == "separate"
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
@@ -135,20 +160,29 @@ def _forward_body(q_ref, k_ref, v_ref, t_hi_ref, t_lo_ref, vec_ref, doc_ref, sur
             plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
             return ks_ref[...], qs_ref[...], qk_ref[...]
 
-        ks, qs, qk = pl.run_scoped(state_products, _acc(C, BV), _acc(C, BV), _acc(C, C))
+        def state_products_separate(hi_ref, lo_ref, qk_ref):  # KS first, then QS: two accumulators live, not four
+            plgpu.wgmma(hi_ref, k, s_hi)
+            plgpu.wgmma(lo_ref, k, s_lo)
+            plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
+            return _wgmma_layout(hi_ref[...] + lo_ref[...]), qk_ref[...]
+
+        def query_products_separate(hi_ref, lo_ref):
+            plgpu.wgmma(hi_ref, q, s_hi)
+            plgpu.wgmma(lo_ref, q, s_lo)
+            return _wgmma_layout(hi_ref[...] + lo_ref[...])
+
+        if separate:
+            ks, qk = pl.run_scoped(state_products_separate, _acc(C, BV), _acc(C, BV), _acc(C, C))
+            qs = pl.run_scoped(query_products_separate, _acc(C, BV), _acc(C, BV))
+        else:
+            ks, qs, qk = pl.run_scoped(state_products, _acc(C, BV), _acc(C, BV), _acc(C, C))
 
         start_rows = _rows(from_start, BV)
         y = _wgmma_layout(plgpu.load(v, layout=plgpu.Layout.WGMMA).astype(F32) - start_rows * ks)  # (3)
         _store_split(_rows(beta, BV) * y, x_hi, x_lo)
         plgpu.commit_smem()
 
-        def inverse_product(acc_ref):  # (4): u = T diag(beta) y
-            plgpu.wgmma(acc_ref, t_hi, x_hi)
-            plgpu.wgmma(acc_ref, t_hi, x_lo)
-            plgpu.wgmma(acc_ref, t_lo, x_hi)
-            return acc_ref[...]
-
-        u = pl.run_scoped(inverse_product, _acc(C, BV))
+        u = _split_product(t_hi, t_lo, x_hi, x_lo, C, BV, separate)  # (4): u = T diag(beta) y
         _store_split(u, u_hi, u_lo)
         # x_* is free again (the wgmmas above have completed): it takes the state-update operand of (6).
         _store_split(_rows(to_end, BV) * u, x_hi, x_lo)
@@ -166,20 +200,21 @@ def _forward_body(q_ref, k_ref, v_ref, t_hi_ref, t_lo_ref, vec_ref, doc_ref, sur
         _store_split(qk * jnp.exp(jnp.where(mask, diff, -jnp.inf)), p_hi, p_lo)
         plgpu.commit_smem()
 
-        def output_product(acc_ref):
-            plgpu.wgmma(acc_ref, p_hi, u_hi)
-            plgpu.wgmma(acc_ref, p_hi, u_lo)
-            plgpu.wgmma(acc_ref, p_lo, u_hi)
-            return acc_ref[...]
-
-        o = _wgmma_layout(start_rows * qs + pl.run_scoped(output_product, _acc(C, BV)))
+        o = _wgmma_layout(start_rows * qs + _split_product(p_hi, p_lo, u_hi, u_lo, C, BV, separate))
 
         def state_update(acc_ref):  # (6)
             plgpu.wgmma(acc_ref, k.transpose((1, 0)), x_hi)
             plgpu.wgmma(acc_ref, k.transpose((1, 0)), x_lo)
             return acc_ref[...]
 
-        s_next = _wgmma_layout(_rows(survive, BV) * s + pl.run_scoped(state_update, _acc(K, BV)))
+        def state_update_separate(hi_ref, lo_ref):
+            plgpu.wgmma(hi_ref, k.transpose((1, 0)), x_hi)
+            plgpu.wgmma(lo_ref, k.transpose((1, 0)), x_lo)
+            return _wgmma_layout(hi_ref[...] + lo_ref[...])
+
+        update = (pl.run_scoped(state_update_separate, _acc(K, BV), _acc(K, BV)) if separate
+                  else pl.run_scoped(state_update, _acc(K, BV)))
+        s_next = _wgmma_layout(_rows(survive, BV) * s + update)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output has left o_smem
         o_smem[...] = _wgmma_layout((scale * o).astype(o_smem.dtype))
@@ -208,10 +243,12 @@ def _forward_body(q_ref, k_ref, v_ref, t_hi_ref, t_lo_ref, vec_ref, doc_ref, sur
     plgpu.wait_smem_to_gmem(0)
 
 
-def _forward_pass(q, k, v, t_hi, t_lo, vectors, doc, survive, h0, *, scale, segmented, interpret):
+def _forward_pass(q, k, v, t_hi, t_lo, vectors, doc, survive, h0, *, scale, segmented, interpret,
+                  lo_accumulators):
     B, Tp, H, K = q.shape
     V = v.shape[-1]
-    body = functools.partial(_forward_body, scale=scale, nt=Tp // CHUNK, num_heads=H, segmented=segmented)
+    body = functools.partial(_forward_body, scale=scale, nt=Tp // CHUNK, num_heads=H, segmented=segmented,
+                             lo_accumulators=lo_accumulators)
     return plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32)),
@@ -230,7 +267,8 @@ def _forward_pass(q, k, v, t_hi, t_lo, vectors, doc, survive, h0, *, scale, segm
     )(q, k, v, t_hi, t_lo, vectors, doc, survive, h0)
 
 
-def _prepare_and_run(q, k, v, beta, log_decay, doc, carry, tail, h0, *, scale, segmented, interpret):
+def _prepare_and_run(q, k, v, beta, log_decay, doc, carry, tail, h0, *, scale, segmented, interpret,
+                     lo_accumulators):
     """Padded inputs -> (o, final state). The chunk-parallel parts in XLA and Triton, the sequential pass in
     Mosaic GPU."""
     B, Tp, H, K = q.shape
@@ -251,14 +289,14 @@ def _prepare_and_run(q, k, v, beta, log_decay, doc, carry, tail, h0, *, scale, s
     vectors = jnp.stack([heads_major(x) for x in (hi, lo, beta, from_start, to_end)])  # (5, B*H, Tp)
     survive = jnp.broadcast_to(jnp.moveaxis(survive, 2, 1)[..., None], (B, H, nt, K)).reshape(B * H, nt * K)
     return _forward_pass(q, k, v, t_hi, t_lo, vectors, doc.astype(F32), survive, h0, scale=scale,
-                         segmented=segmented, interpret=interpret)
+                         segmented=segmented, interpret=interpret, lo_accumulators=lo_accumulators)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _wy_mosaic(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
-    scale, segmented, interpret = static
+    scale, segmented, interpret, lo_accumulators = static
     return _prepare_and_run(q, k, v, beta, log_decay, doc, carry, tail, h0, scale=scale, segmented=segmented,
-                            interpret=interpret)
+                            interpret=interpret, lo_accumulators=lo_accumulators)
 
 
 def _wy_mosaic_fwd(static, *args):
@@ -301,12 +339,16 @@ def _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size):
         raise ValueError(f"chunk_size must be {CHUNK} (the only size supported), got {chunk_size}")
 
 
-def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64, interpret=None):
+def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64, interpret=None,
+                    lo_accumulators="shared"):
     """Gated DeltaNet forward (o, final_state) with the sequential pass in Mosaic GPU; the signature of
     `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K = V = 128, Hv == H, scalar or no decay, any T, optional
     initial state and segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
-    kernel in the Mosaic GPU interpreter. Forward only: differentiating it raises NotImplementedError."""
+    kernel in the Mosaic GPU interpreter; `lo_accumulators` is one of `LO_ACCUMULATORS`. Forward only:
+    differentiating it raises NotImplementedError."""
     _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size)
+    if lo_accumulators not in LO_ACCUMULATORS:
+        raise ValueError(f"lo_accumulators must be one of {LO_ACCUMULATORS}, got {lo_accumulators!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     B, T, H, K = q.shape
@@ -324,6 +366,6 @@ def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_i
     carry = (chunks == before).astype(F32).reshape(B, nt * C)
     tail = (chunks == chunks[:, :, -1:]).astype(F32).reshape(B, nt * C)
     h0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
-    static = (float(scale), segment_ids is not None, bool(interpret))
+    static = (float(scale), segment_ids is not None, bool(interpret), lo_accumulators)
     o, final = _wy_mosaic(static, qp, kp, vp, beta_p, wy_chunk._pad_time(log_decay, pad), doc, carry, tail, h0)
     return o[:, :T], final

@@ -6,6 +6,7 @@ inputs; outputs and final state <= 3e-3 relative), the kernel lowered for CUDA w
 for unsupported arguments and for differentiation. On a GPU: the compiled kernel at a larger size.
 """
 
+import functools
 import warnings
 
 import jax
@@ -33,9 +34,9 @@ def _run(fn, x, scale=0.3):
     return jax.jit(call)(arrays)
 
 
-def _check(x, tol=BF16_TOL):
+def _check(x, tol=BF16_TOL, lo_accumulators="shared"):
     """x: bf16 q/k/v; the scan sees the same rounded values in fp32."""
-    o, s = _run(chunk_wy_mosaic, x)
+    o, s = _run(functools.partial(chunk_wy_mosaic, lo_accumulators=lo_accumulators), x)
     reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
     o_ref, s_ref = _run(recurrent_scan, reference)
     assert o.shape == x["v"].shape and o.dtype == jnp.bfloat16
@@ -64,7 +65,8 @@ def test_packed_documents_without_decay_in_interpreter():
     _check(_bf16_inputs(fresh_key(), B=1, T=200, H=1, beta_max=2.0, decay="none", packed=True))
 
 
-def test_correlated_keys_in_interpreter():
+@pytest.mark.parametrize("lo_accumulators", mosaic_wy.LO_ACCUMULATORS)
+def test_correlated_keys_in_interpreter(lo_accumulators):
     """Keys = common vector + 0.02 noise (normalised), beta in [1.9, 2), decay near 0: T far from the identity."""
     key = fresh_key()
     x = _bf16_inputs(key, B=1, T=130, H=1, beta_max=2.0, packed=True, with_initial_state=True)
@@ -74,7 +76,7 @@ def test_correlated_keys_in_interpreter():
     x["k"] = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
     x["beta"] = jax.random.uniform(ks[2], x["beta"].shape, minval=1.9, maxval=1.999)
     x["log_decay"] = -1e-6 * jax.random.uniform(ks[0], x["log_decay"].shape)
-    _check(x)
+    _check(x, lo_accumulators=lo_accumulators)
 
 
 def test_gradient_raises():
@@ -108,14 +110,22 @@ def test_unsupported_arguments_raise(change, argument):
                         initial_state=None, segment_ids=None, chunk_size=chunk_size)
 
 
+def test_unknown_lo_accumulators_raise():
+    x = rule_inputs(fresh_key(), B=1, T=64, H=1, K=D, V=D, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="lo_accumulators must be one of"):
+        chunk_wy_mosaic(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], scale=0.3, initial_state=None,
+                        segment_ids=None, lo_accumulators="both")
+
+
 H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
                     abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
                                                    platform="gpu"))
 
 
-@pytest.mark.parametrize("segmented", [False, True])
-@pytest.mark.parametrize("init", [False, True])
-def test_lowers_for_cuda(segmented, init):
+@pytest.mark.parametrize("segmented,init,lo_accumulators",
+                         [(False, False, "shared"), (False, True, "shared"), (True, False, "shared"),
+                          (True, True, "shared"), (True, True, "separate")])
+def test_lowers_for_cuda(segmented, init, lo_accumulators):
     """The whole call (XLA, the Triton inverse, the Mosaic GPU pass) lowered for an abstract H100: one Mosaic GPU
     custom call. Catches what the interpreter accepts but Mosaic GPU cannot lower (layouts, wgmma operands)."""
     B, T, H = 1, 130, 2
@@ -124,13 +134,16 @@ def test_lowers_for_cuda(segmented, init):
     h0 = jax.ShapeDtypeStruct((B, H, D, D), jnp.float32) if init else None
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32) if segmented else None
     fn = jax.jit(lambda q, k, v, beta, log_decay, h0, ids: chunk_wy_mosaic(
-        q, k, v, beta, log_decay, scale=0.1, initial_state=h0, segment_ids=ids, interpret=False))
+        q, k, v, beta, log_decay, scale=0.1, initial_state=h0, segment_ids=ids, interpret=False,
+        lo_accumulators=lo_accumulators))
     with jax.sharding.use_abstract_mesh(H100):
         text = fn.trace(q, q, q, gate, gate, h0, ids).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("lo_accumulators", mosaic_wy.LO_ACCUMULATORS)
 @pytest.mark.parametrize("packed", [False, True])
-def test_gpu_matches_scan(packed):
-    _check(_bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=packed, with_initial_state=True))
+def test_gpu_matches_scan(packed, lo_accumulators):
+    _check(_bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=packed, with_initial_state=True),
+           lo_accumulators=lo_accumulators)

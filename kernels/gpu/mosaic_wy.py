@@ -109,18 +109,22 @@ def _cols(ref, m):
 
 
 def _split_product(a_hi, a_lo, b_hi, b_lo, m, n, separate):
-    """a @ b for two fp32 operands given as bf16 hi/lo SMEM tiles: hi*hi + hi*lo + lo*hi (`LO_ACCUMULATORS`)."""
+    """a @ b with b an fp32 operand given as bf16 hi/lo SMEM tiles, and a one too or (a_lo None) a bf16 one:
+    hi*hi + hi*lo (+ lo*hi), the lo terms accumulated as `LO_ACCUMULATORS` says."""
+
+    def lo_terms(acc_ref):
+        plgpu.wgmma(acc_ref, a_hi, b_lo)
+        if a_lo is not None:
+            plgpu.wgmma(acc_ref, a_lo, b_hi)
 
     def shared(acc_ref):
         plgpu.wgmma(acc_ref, a_hi, b_hi)
-        plgpu.wgmma(acc_ref, a_hi, b_lo)
-        plgpu.wgmma(acc_ref, a_lo, b_hi)
+        lo_terms(acc_ref)
         return acc_ref[...]
 
     def apart(hi_ref, lo_ref):
         plgpu.wgmma(hi_ref, a_hi, b_hi)
-        plgpu.wgmma(lo_ref, a_hi, b_lo)
-        plgpu.wgmma(lo_ref, a_lo, b_hi)
+        lo_terms(lo_ref)
         return _wgmma_layout(hi_ref[...] + lo_ref[...])
 
     return pl.run_scoped(apart, _acc(m, n), _acc(m, n)) if separate else pl.run_scoped(shared, _acc(m, n))
@@ -160,21 +164,15 @@ def _forward_body(q_ref, k_ref, v_ref, t_hi_ref, t_lo_ref, vec_ref, doc_ref, sur
             plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
             return ks_ref[...], qs_ref[...], qk_ref[...]
 
-        def state_products_separate(hi_ref, lo_ref, qk_ref):  # KS first, then QS: two accumulators live, not four
-            plgpu.wgmma(hi_ref, k, s_hi)
-            plgpu.wgmma(lo_ref, k, s_lo)
+        def query_key_product(qk_ref):
             plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
-            return _wgmma_layout(hi_ref[...] + lo_ref[...]), qk_ref[...]
+            return qk_ref[...]
 
-        def query_products_separate(hi_ref, lo_ref):
-            plgpu.wgmma(hi_ref, q, s_hi)
-            plgpu.wgmma(lo_ref, q, s_lo)
-            return _wgmma_layout(hi_ref[...] + lo_ref[...])
-
-        if separate:
-            ks, qk = pl.run_scoped(state_products_separate, _acc(C, BV), _acc(C, BV), _acc(C, C))
-            qs = pl.run_scoped(query_products_separate, _acc(C, BV), _acc(C, BV))
-        else:
+        if separate:  # one product at a time: two accumulators live, not five
+            ks = _split_product(k, None, s_hi, s_lo, C, BV, True)
+            qs = _split_product(q, None, s_hi, s_lo, C, BV, True)
+            qk = pl.run_scoped(query_key_product, _acc(C, C))
+        else:  # all five wgmmas in flight before one wait
             ks, qs, qk = pl.run_scoped(state_products, _acc(C, BV), _acc(C, BV), _acc(C, C))
 
         start_rows = _rows(from_start, BV)
@@ -202,18 +200,7 @@ def _forward_body(q_ref, k_ref, v_ref, t_hi_ref, t_lo_ref, vec_ref, doc_ref, sur
 
         o = _wgmma_layout(start_rows * qs + _split_product(p_hi, p_lo, u_hi, u_lo, C, BV, separate))
 
-        def state_update(acc_ref):  # (6)
-            plgpu.wgmma(acc_ref, k.transpose((1, 0)), x_hi)
-            plgpu.wgmma(acc_ref, k.transpose((1, 0)), x_lo)
-            return acc_ref[...]
-
-        def state_update_separate(hi_ref, lo_ref):
-            plgpu.wgmma(hi_ref, k.transpose((1, 0)), x_hi)
-            plgpu.wgmma(lo_ref, k.transpose((1, 0)), x_lo)
-            return _wgmma_layout(hi_ref[...] + lo_ref[...])
-
-        update = (pl.run_scoped(state_update_separate, _acc(K, BV), _acc(K, BV)) if separate
-                  else pl.run_scoped(state_update, _acc(K, BV)))
+        update = _split_product(k.transpose((1, 0)), None, x_hi, x_lo, K, BV, separate)  # (6)
         s_next = _wgmma_layout(_rows(survive, BV) * s + update)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output has left o_smem

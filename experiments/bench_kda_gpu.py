@@ -13,7 +13,6 @@ on the same bf16 inputs. A variant that fails to compile is reported in its row,
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 
 from absl import app, flags
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from deltajax.kernels.gpu import kda
+import _timing as timing  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = V = D, Hv = H).")
@@ -63,15 +63,9 @@ def log(what):
 
 
 def median_ms(fn, *args, iters):
-    jax.block_until_ready(fn(*args))
-    log(f"compiled {getattr(fn, '__name__', fn)}")
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    log(f"timed: {statistics.median(times):.3f} ms")
-    return statistics.median(times)
+    result = timing.median_ms(fn, *args, iters=iters, warmup=1)
+    log(f"timed {getattr(fn, '__name__', fn)}: {result:.3f} ms")
+    return result
 
 
 def inputs(B, T, H, D, seed=0):

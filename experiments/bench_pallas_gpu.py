@@ -10,14 +10,13 @@ forward+backward through `chunk_wy` (medians of --iters runs with block_until_re
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 
 from absl import app, flags
 import jax
 import jax.numpy as jnp
 
 from deltajax.kernels.gpu import wy_chunk
+from _timing import median_ms  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = V = D, Hv = H).")
@@ -43,6 +42,8 @@ VARIANTS = {
     # ... and K S_0 / K dS wherever they appear (passes, gradient part 1); both together: "tolerant_bf16".
     "state_bf16": dict(state_dots="bf16"),
     "tolerant_bf16": dict(grad_k_dots="bf16", state_dots="bf16"),
+    # "split" everywhere: the defaults before 2026-11-23 evening.
+    "all_split": dict(grad_k_dots="split", state_dots="split"),
     "bv32": dict(block_v=32),
     "bv128": dict(block_v=128),
     "warps8": dict(warps=8),
@@ -93,17 +94,6 @@ VARIANTS = {
                               grad_k_warps=4, grad_dots="bf16", grad_k_dots="bf16",
                               inverse_dots="bf16"),
 }
-
-
-def median_ms(fn, *args, iters):
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def inputs(B, T, H, D):

@@ -15,8 +15,6 @@ row's (forward / forward+backward), when chunk is among --impls. --peak_memory a
 
 from __future__ import annotations
 
-import statistics
-import time
 
 from absl import app, flags
 import jax
@@ -24,6 +22,7 @@ import jax.numpy as jnp
 
 import deltajax
 from deltajax.rules import dispatch
+from _timing import median_ms  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("rule", "gated_deltanet", ["linear_attention", "deltanet", "gated_deltanet", "kda"],
@@ -74,17 +73,6 @@ def rule_fn(rule, impl):
     return fn
 
 
-def median_ms(fn, args, warmup, iters):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def floor_bytes(B, T, H, D, dtype, rule):
     item = jnp.dtype(dtype).itemsize
     tokens = B * T * H
@@ -124,7 +112,7 @@ def main(argv):
             fn = rule_fn(FLAGS.rule, impl)
             forward = jax.jit(lambda *a: fn(*a)[0])
             try:
-                fwd = median_ms(forward, args, FLAGS.warmup, FLAGS.iters)
+                fwd = median_ms(forward, *args, iters=FLAGS.iters, warmup=FLAGS.warmup)
             except ValueError as error:  # e.g. a kernel that does not support this size
                 print(f"| {impl} | {size} | unsupported: {error} | | | |")
                 continue
@@ -133,7 +121,7 @@ def main(argv):
                 loss = lambda q, k, v, b, g: jnp.sum(fn(q, k, v, b, g)[0].astype(jnp.float32) ** 2)
                 argnums = tuple(i for i, a in enumerate(args) if a is not None)
                 grad = jax.jit(jax.grad(loss, argnums=argnums))
-                bwd = median_ms(grad, args, FLAGS.warmup, FLAGS.iters)
+                bwd = median_ms(grad, *args, iters=FLAGS.iters, warmup=FLAGS.warmup)
                 bwd_text = f"{bwd:.3f}"
             if impl == "chunk":
                 chunk_times = (fwd, bwd)

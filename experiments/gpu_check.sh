@@ -37,7 +37,7 @@ if want tests; then
     -rA --tb=short ${PYTEST_EXTRA:-} 2>&1 | tee "$OUT/pytest.log" | grep -E "PASS|FAIL|Error|error|assert|passed|failed"
 fi
 if want kda_tests; then
-  timeout ${KDA_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider $PARALLEL tests/kernels/test_gpu_kda.py -k "${KDA_TESTS:-test_gpu_}" \
+  timeout ${KDA_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider $PARALLEL tests/kernels/test_gpu_kda.py -k "${KDA_TESTS:-gpu_bf16 or gpu_fp32 or gpu_adversarial or gpu_dispatch}" \
     -rA --tb=short 2>&1 | tee "$OUT/pytest_kda.log" | grep -E "PASS|FAIL|Error|error|assert|passed|failed"
 fi
 if want bench; then

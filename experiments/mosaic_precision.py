@@ -4,6 +4,7 @@ at a time, with the split products' lo terms accumulated with hi*hi ("shared") o
 `mosaic_wy.LO_ACCUMULATORS`).
 
     python experiments/mosaic_precision.py               # on the H100: the compiled kernels
+    python experiments/mosaic_precision.py --time_size=8x2048x16   # ... and their forward times there
     python experiments/mosaic_precision.py --interpret   # on CPU: the Mosaic GPU and Pallas interpreters
 
 Cases (bf16 q/k/v, K = V = 128; the scan sees the same rounded values in fp32):
@@ -13,11 +14,15 @@ Cases (bf16 q/k/v, K = V = 128; the scan sees the same rounded values in fp32):
   two_chunks     T = 128, no initial state: the second chunk reads the first one's state (K S_0, Q S_0 split).
   initial_state  T = 64 with an initial state: the state's load, survive * S_0 and K S_0 from it.
   long           T = 1000, packed documents, initial state, beta up to 2 (the GPU test's case).
-On the H100 (2026-11-23) the `long` case gave o at the bf16 floor and the final state 1.9e-4 to 3.4e-4 from the
-scan, against 3.5e-6 for Triton (docs/mosaic.md); the interpreter gives 3e-6 to 3e-5.
+On the H100 (2026-11-23) every case gave the final state 9e-5 to 5e-4 from the scan for both options, against
+2.5e-6 to 4e-6 for Triton: T's lo half had been folded to zero by XLA (docs/mosaic.md, "Cause found"), since fixed
+by `common.split_bf16_in_xla`.
 """
 
 from __future__ import annotations
+
+import functools
+import statistics
 
 from absl import app, flags
 import jax
@@ -27,11 +32,15 @@ import numpy as np
 from deltajax.kernels.gpu.mosaic_wy import HEAD_DIM, LO_ACCUMULATORS, chunk_wy_mosaic
 from deltajax.kernels.gpu.wy_chunk import chunk_wy
 from deltajax.rules.scan import recurrent_scan
+from _timing import times_ms  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("cases", ["one_chunk", "one_chunk_gate", "two_chunks", "initial_state", "long"], "Names of CASES.")
 flags.DEFINE_integer("draws", 2, "Random draws per case.")
 flags.DEFINE_bool("interpret", False, "Run the kernels in the interpreters (CPU).")
+flags.DEFINE_string("time_size", "", "BxTxH (D = 128, bf16, scalar decay): also time the forward passes there "
+                    "(median of --iters runs; GPU only). Empty: errors only.")
+flags.DEFINE_integer("iters", 20, "Timed runs per kernel for --time_size.")
 
 # name: (B, T, H, decay, initial state, packed, beta_max)
 CASES = {
@@ -88,6 +97,20 @@ def main(argv):
             o, s = _run(chunk_wy, x, interpret=interpret)
             errors += [_relative(o, o_ref), _relative(s, s_ref)]
             print(f"| {name} | {draw} | {floor:.2e} | " + " | ".join(f"{e:.2e}" for e in errors) + " |", flush=True)
+    if FLAGS.time_size and not interpret:
+        _time(*(int(n) for n in FLAGS.time_size.split("x")))
+
+
+def _time(B, T, H):
+    """Forward-pass medians (ms) of both Mosaic options and of the Triton pass on one input."""
+    x = _inputs(jax.random.PRNGKey(0), B, T, H, True, True, False, 1.0)
+    print(f"\n| forward pass, {B}x{T}x{H}x{HEAD_DIM} bf16 | median ms | min ms |\n|---|---:|---:|")
+    kernels = [(f"mosaic, {lo}", functools.partial(chunk_wy_mosaic, lo_accumulators=lo)) for lo in LO_ACCUMULATORS]
+    for label, fn in kernels + [("triton", chunk_wy)]:
+        step = jax.jit(lambda x, fn=fn: fn(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], scale=0.3,
+                                           initial_state=x["initial_state"], segment_ids=None))
+        times = times_ms(step, x, iters=FLAGS.iters)
+        print(f"| {label} | {statistics.median(times):.3f} | {min(times):.3f} |", flush=True)
 
 
 if __name__ == "__main__":

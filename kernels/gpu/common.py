@@ -21,10 +21,23 @@ def compiler_params(warps, stages):
 
 
 def split_bf16(x):
-    """x = hi + lo (+ ~2^-17 |x|) with two bf16 values."""
+    """x = hi + lo (+ ~2^-17 |x|) with two bf16 values. Inside kernels only; in XLA use `split_bf16_in_xla`."""
     x = x.astype(F32)
     hi = x.astype(BF16)
     return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def split_bf16_in_xla(x):
+    """`split_bf16` for use outside kernels, where XLA optimises the arithmetic. XLA's GPU pipeline removes
+    f32 -> bf16 -> f32 conversion pairs (`SimplifyFPConversions`, on under its default
+    `--xla_allow_excess_precision`), which turns x - f32(bf16(x)) into x - x = 0: the lo half vanishes. The bf16
+    rounding of hi is therefore done on the bits (round to nearest even, as `astype(bfloat16)` does for finite
+    values), which no conversion pass can fold away."""
+    x = x.astype(F32)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    rounded = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
+    hi = lax.bitcast_convert_type(rounded, F32)
+    return hi.astype(BF16), (x - hi).astype(BF16)
 
 
 def dot(a, b, *, ta=False, tb=False, mode="highest"):

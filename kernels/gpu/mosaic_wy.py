@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deltajax.kernels.gpu import wy_chunk
+from deltajax.kernels.gpu.common import split_bf16_in_xla
 from deltajax.rules.common import document_index
 
 F32 = jnp.float32
@@ -51,9 +52,9 @@ MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline
 SWIZZLE = 128  # bytes; rows of 64 bf16
 # Where the hi*lo and lo*hi terms of a split product are accumulated: "shared", into the accumulator of hi*hi
 # (fewest registers); "separate", into an accumulator of their own, added to hi*hi in fp32 registers (as the
-# Triton kernels do, one tl.dot per term). On the H100 (2026-11-23) "shared" left the final state 2e-4 to 3e-4 from
-# the scan where the interpreter gives 3e-6 to 3e-5; one explanation to test is tensor-core accumulation that
-# keeps fewer bits than fp32 when small terms are added to a large accumulator, which "separate" avoids.
+# Triton kernels do, one tl.dot per term). On the H100 (2026-11-23 19:05) both gave the same errors to three digits
+# (experiments/mosaic_precision.py): the state error of 2e-4 to 5e-4 measured there came from T's lo half, which
+# XLA had folded to zero (see `common.split_bf16_in_xla`), not from the accumulation.
 LO_ACCUMULATORS = ("shared", "separate")
 NO_BACKWARD = ("chunk_wy_mosaic has no backward yet: the Mosaic GPU path is forward only. Differentiate through "
                "deltajax.kernels.gpu.wy_chunk.chunk_wy (the Triton kernels) instead.")
@@ -264,8 +265,8 @@ def _prepare_and_run(q, k, v, beta, log_decay, doc, carry, tail, h0, *, scale, s
                                   interpret=interpret)
     g = wy_chunk._in_chunk_cumsum(cfg, log_decay)  # [hi, lo] x (B, Tp, H)
     t = wy_chunk._inverse(cfg, k, beta, g, doc)  # (B, Tp, H, C) fp32
-    t_hi = t.astype(BF16)
-    t_lo = (t - t_hi.astype(F32)).astype(BF16)
+    # Split in XLA: the plain x - f32(bf16(x)) is folded to 0 on the GPU (`common.split_bf16_in_xla`).
+    t_hi, t_lo = split_bf16_in_xla(t)
 
     hi, lo = (x.reshape(B, nt, C, H) for x in g)
     carry_c, tail_c = carry.reshape(B, nt, C, 1), tail.reshape(B, nt, C, 1)

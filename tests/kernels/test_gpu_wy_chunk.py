@@ -240,16 +240,28 @@ def test_bf16_default_config_in_interpreter():
 
 
 # bf16 operands where the correlated-keys case tolerates them (`Config.grad_k_dots`: part 2's products with S_0,
-# dS_end and dA; `Config.state_dots`: K S and K dS in the sequential passes): a candidate for the default once
-# timed on the H100; it must hold the bf16 bounds on the case that rejected plain bf16 elsewhere.
+# dS_end and dA; `Config.state_dots`: K S and K dS in the sequential passes), the default for 16-bit inputs: it must
+# hold the bf16 bounds on the case that rejected plain bf16 elsewhere. ALL_SPLIT keeps the "split" alternative
+# of the same products tested.
 TOLERANT_BF16 = dict(grad_k_dots="bf16", state_dots="bf16")
+ALL_SPLIT = dict(grad_k_dots="split", state_dots="split")
 
 
-def test_tolerant_bf16_dots_on_correlated_keys_in_interpreter():
+def test_default_dots_are_tolerant_for_bf16_inputs_only():
+    x = rule_inputs(fresh_key(), B=1, T=8, H=1, K=16, V=16)
+    for dtype, expected in ((jnp.bfloat16, "bf16"), (jnp.float16, "split"), (jnp.float32, "highest")):
+        cfg = default_config(x["q"].astype(dtype), x["v"].astype(dtype), scale=0.25, chunk_size=64, delta=True,
+                             segmented=False, interpret=True)
+        assert (cfg.state_dots, cfg.grad_k_dots) == (expected, expected), dtype
+        assert cfg.dots == ("highest" if dtype == jnp.float32 else "split"), dtype
+
+
+@pytest.mark.parametrize("dots", [TOLERANT_BF16, ALL_SPLIT], ids=["tolerant_bf16", "all_split"])
+def test_state_dots_on_correlated_keys_in_interpreter(dots):
     x = _round_trip_bf16(_adversarial(fresh_key(), "correlated_keys_decay_near_0", B=1, T=130, H=1, Hv=2, K=32,
                                       V=32))
     x["scale"] = 32 ** -0.5
-    _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol, fn=_kernel(dict(GRAD_VARIANTS["staged"], **TOLERANT_BF16)))
+    _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol, fn=_kernel(dict(GRAD_VARIANTS["staged"], **dots)))
 
 
 def test_no_gate_arithmetic_without_a_decay():
@@ -434,10 +446,10 @@ def test_gpu_adversarial_bf16(family):
 
 @gpu_only
 @pytest.mark.parametrize("family", ADVERSARIAL)
-def test_gpu_adversarial_tolerant_bf16_dots(family):
+def test_gpu_adversarial_all_split_dots(family):
     x = _round_trip_bf16(_adversarial(fresh_key(), family, B=2, T=500, H=2, Hv=4, K=128, V=128))
     x["scale"] = 128 ** -0.5
-    _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol, fn=_kernel(TOLERANT_BF16))
+    _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol, fn=_kernel(ALL_SPLIT))
 
 
 @gpu_only

@@ -11,10 +11,12 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from deltajax.kernels.gpu import mosaic_wy
+from deltajax.kernels.gpu.common import split_bf16_in_xla
 from deltajax.kernels.gpu.mosaic_wy import chunk_wy_mosaic
 from deltajax.rules.scan import recurrent_scan
 from testing_utils import fresh_key, relative_error, rule_inputs
@@ -77,6 +79,35 @@ def test_correlated_keys_in_interpreter(lo_accumulators):
     x["beta"] = jax.random.uniform(ks[2], x["beta"].shape, minval=1.9, maxval=1.999)
     x["log_decay"] = -1e-6 * jax.random.uniform(ks[0], x["log_decay"].shape)
     _check(x, lo_accumulators=lo_accumulators)
+
+
+def _split_reference(x):
+    """hi = bf16(x) and lo = bf16(x - hi) in numpy (float64 differences; no compiler in between)."""
+    x = np.asarray(x, np.float32)
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x.astype(np.float64) - hi.astype(np.float64)).astype(np.float32).astype(jnp.bfloat16)
+
+
+def _check_split(x, check_lo=True):
+    hi, lo = jax.jit(split_bf16_in_xla)(x)
+    hi_ref, lo_ref = _split_reference(x)
+    np.testing.assert_array_equal(np.asarray(hi), hi_ref)
+    if not check_lo:
+        return
+    np.testing.assert_array_equal(np.asarray(lo), lo_ref)
+    assert float(jnp.max(jnp.abs(lo.astype(jnp.float32)))) > 0  # the lo half carries the bits hi drops
+
+
+def test_split_in_xla_matches_rounding():
+    """T's hi/lo halves are formed in XLA: hi must be the round-to-nearest-even bf16 of x, bit for bit, and lo the
+    bf16 of the remainder, across magnitudes, signs and ties. (Remainders below 2^-126 are subnormal, which XLA
+    flushes to zero: for subnormal x only hi is compared.)"""
+    key = fresh_key()
+    mantissa, exponent = jax.random.split(key)
+    x = jax.random.normal(mantissa, (4096,)) * jnp.exp2(jax.random.randint(exponent, (4096,), -100, 120))
+    ties = jnp.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20, 0.0, -0.0, 3.3e38], jnp.float32)
+    _check_split(jnp.concatenate([x, ties]))
+    _check_split(jnp.array([2**-126 * (1 + 2**-8), 1e-40, -3e-39], jnp.float32), check_lo=False)
 
 
 def test_gradient_raises():
@@ -147,3 +178,10 @@ def test_lowers_for_cuda(segmented, init, lo_accumulators):
 def test_gpu_matches_scan(packed, lo_accumulators):
     _check(_bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=packed, with_initial_state=True),
            lo_accumulators=lo_accumulators)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_split_in_xla_keeps_lo():
+    """On the GPU, XLA folds f32 -> bf16 -> f32 conversion pairs; the split used outside kernels must still give
+    the exact lo half there (a plain x - f32(bf16(x)) gives 0)."""
+    _check_split(jax.random.normal(fresh_key(), (64, 64)) * 3.0)

@@ -12,8 +12,9 @@
 # compilation (the 2026-11-23 run shared processes and lost whole runs to it, docs/results.md). Every run uses
 # the XLA chunked form (--impl=chunk; recorded per run as rule_impl): the Pallas kernels compile for minutes
 # through Triton at these small shapes. Jobs:
-#   state tracking  parity, DeltaNet / Gated DeltaNet with beta in [0, 1] and [0, 2]; 2 layers, d_model 128,
-#                   train length 40 (scored 3-40), test 40-256; batch 256, at most 5000 steps; float32.
+#   state tracking  parity (ST_TASKS="modular modular_brackets": the arithmetic tasks), DeltaNet / Gated DeltaNet
+#                   with beta in [0, 1] and [0, 2]; 2 layers, d_model 128, train length 40 (scored 3-40), test
+#                   40-256; batch 256, at most 5000 steps; float32.
 #   MQAR            test at Zoology's hard setting (vocabulary 8192, sequence 512, 64 key-value pairs), trained
 #                   on Zoology's mixture of easier settings (64:4, 128:8, 256:16, 256:32, 256:64, padded to 256;
 #                   deltajax.data.MQARMixture); 2 layers; Gated DeltaNet, DeltaNet, linear attention, KDA at
@@ -29,7 +30,7 @@
 # end. Environment overrides: SCALE (gpu | smoke), OUT, PYTHON, TOTAL_S, FINAL_S, GRACE_S, COMPILE_S, JOB_S,
 # TRAIN_S, SERIAL (1: one job at a time, each with an equal part of the time; set by itself when the GPU is in an
 # exclusive compute mode), ST, MQAR, LM (0: skip that part, e.g. MQAR alone in a second call: ST=0 LM=0), and the
-# argument strings ST_ARGS, ST_VARIANTS, MQAR_ARGS, MQAR_VARIANTS, MQAR_WIDTHS, LM_ARGS, LM_VARIANTS.
+# argument strings ST_ARGS, ST_TASKS, ST_VARIANTS, MQAR_ARGS, MQAR_VARIANTS, MQAR_WIDTHS, LM_ARGS, LM_VARIANTS.
 set -u -o pipefail
 T0=$(date +%s)
 OUT=${OUT:-gpu_logs}
@@ -46,7 +47,7 @@ now() { echo $(( $(date +%s) - T0 )); }
 case $SCALE in
   gpu)
     TOTAL_S=${TOTAL_S:-540}; FINAL_S=${FINAL_S:-30}; GRACE_S=${GRACE_S:-20}; COMPILE_S=${COMPILE_S:-150}
-    ST_ARGS=${ST_ARGS:-"--tasks=parity --d_model=128 --n_layers=2 --train_len=40 --min_len=3 --test_len=256
+    ST_ARGS=${ST_ARGS:-"--d_model=128 --n_layers=2 --train_len=40 --min_len=3 --test_len=256
       --steps=5000 --batch_size=256 --learning_rate=3e-3 --eval_batches=4 --compute_dtype=float32 --impl=chunk
       --data_workers=1"}
     MQAR_ARGS=${MQAR_ARGS:-"--vocab_size=8192 --seq_len=512 --num_kv_pairs=64
@@ -60,7 +61,7 @@ case $SCALE in
     ;;
   smoke)
     TOTAL_S=${TOTAL_S:-300}; FINAL_S=${FINAL_S:-40}; GRACE_S=${GRACE_S:-30}; COMPILE_S=${COMPILE_S:-120}
-    ST_ARGS=${ST_ARGS:-"--tasks=parity --d_model=16 --train_len=16 --min_len=3 --test_len=32 --steps=300
+    ST_ARGS=${ST_ARGS:-"--d_model=16 --train_len=16 --min_len=3 --test_len=32 --steps=300
       --batch_size=8 --eval_batches=1 --data_workers=0"}
     MQAR_ARGS=${MQAR_ARGS:-"--vocab_size=64 --seq_len=32 --num_kv_pairs=4 --train_mixture=16:2,32:4 --steps=300
       --batch_size=8 --eval_batches=1 --data_workers=0"}
@@ -73,6 +74,7 @@ case $SCALE in
   *) echo "SCALE must be gpu or smoke, got $SCALE"; exit 2 ;;
 esac
 ST_VARIANTS=${ST_VARIANTS:-"deltanet deltanet_neg gated_deltanet gated_deltanet_neg"}
+ST_TASKS=${ST_TASKS:-parity}  # one process per task and variant, e.g. ST_TASKS="modular modular_brackets"
 ST=${ST:-1}
 MQAR=${MQAR:-1}
 LM=${LM:-1}
@@ -101,7 +103,7 @@ if [ -z "${SERIAL:-}" ]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=compute_mode --format=csv,noheader | grep -qi exclusive
   then SERIAL=1; fi
 fi
-jobs=$(( $(echo $ST_VARIANTS | wc -w) + $(echo $MQAR_VARIANTS | wc -w) * $(echo $MQAR_WIDTHS | wc -w) ))
+jobs=$(( $(echo $ST_VARIANTS | wc -w) * $(echo $ST_TASKS | wc -w) + $(echo $MQAR_VARIANTS | wc -w) * $(echo $MQAR_WIDTHS | wc -w) ))
 [ "$LM" = 0 ] || jobs=$(( jobs + $(echo $LM_VARIANTS | wc -w) ))
 if [ "$jobs" = 0 ]; then echo "nothing to run: ST, MQAR and LM are all 0"; exit 2; fi
 # Each concurrent process gets an equal share of the GPU's memory, so that one cannot starve the others (the same
@@ -132,9 +134,11 @@ job() {
 }
 launch() { if [ "$SERIAL" = 1 ]; then job "$@"; else job "$@" & fi; }
 
-for variant in $ST_VARIANTS; do
-  launch st_$variant $PY experiments/state_tracking.py $ST_ARGS --variants="$variant" --time_budget_s="$JOB_S" \
-    --train_seconds="$TRAIN_S" --out="$RES/parts/state_tracking_$variant.json" --plot=
+for task in $ST_TASKS; do
+  for variant in $ST_VARIANTS; do
+    launch st_${task}_$variant $PY experiments/state_tracking.py $ST_ARGS --tasks="$task" --variants="$variant" \
+      --time_budget_s="$JOB_S" --train_seconds="$TRAIN_S" --out="$RES/parts/state_tracking_${task}_$variant.json" --plot=
+  done
 done
 for width in $MQAR_WIDTHS; do
   for variant in $MQAR_VARIANTS; do

@@ -10,7 +10,8 @@ None for linear attention, `initial_state` is None or float32, `segment_ids` is 
 
 Kernels register themselves (`register`) with a `supports(RuleCall) -> bool` predicate. `impl="auto"` takes the
 registered implementation of highest priority whose predicate accepts the call and otherwise falls back to the
-chunked form; naming an implementation forces it and raises if it cannot take the call.
+chunked form; naming an implementation forces it and raises if it cannot take the call. Forward-only
+implementations (no backward) are never picked by "auto".
 """
 
 from __future__ import annotations
@@ -48,16 +49,19 @@ class Implementation:
     fn: Callable
     supports: Callable[[RuleCall], bool]
     priority: int = 0
+    forward_only: bool = False  # no backward: only ever used when named, never by "auto"
 
 
 _REGISTRY: dict[str, dict[str, Implementation]] = {op: {} for op in OPS}
 
 
-def register(op: str, name: str, fn: Callable, supports: Callable[[RuleCall], bool], priority: int = 0):
-    """Adds (or replaces) implementation `name` of `op`."""
+def register(op: str, name: str, fn: Callable, supports: Callable[[RuleCall], bool], priority: int = 0,
+             forward_only: bool = False):
+    """Adds (or replaces) implementation `name` of `op`. A `forward_only` one (differentiating it raises) is run
+    only when named: "auto" cannot know whether the caller will take gradients."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    _REGISTRY[op][name] = Implementation(name, fn, supports, priority)
+    _REGISTRY[op][name] = Implementation(name, fn, supports, priority, forward_only)
 
 
 def implementations(op: str) -> dict[str, Implementation]:
@@ -80,7 +84,7 @@ def select(op: str, impl: str, call: RuleCall) -> Implementation:
     """The implementation that runs `call` (see the module docstring for the policy)."""
     registry = _REGISTRY[op]
     if impl == "auto":
-        kernels = sorted((i for i in registry.values() if i.name not in ("scan", "chunk")),
+        kernels = sorted((i for i in registry.values() if i.name not in ("scan", "chunk") and not i.forward_only),
                          key=lambda i: -i.priority)
         for candidate in kernels:
             try:

@@ -11,18 +11,26 @@ backend, log_decay [B, T, Hv, K], bfloat16 (as above; float32 interprets and low
 chunk size 64, at most `MAX_BATCH_HEADS` batch x value-head pairs. For the delta rule the registered function
 (`chunked_delta_rule`) routes on the shape of log_decay and the registered predicate accepts what either accepts.
 
+"mosaic" (`mosaic_wy.py`, Hopper only) is the Gated DeltaNet forward with its sequential pass in Mosaic GPU:
+forward only (differentiating it raises NotImplementedError), so it is registered as forward-only and "auto"
+never picks it; `impl="mosaic"` asks for it (inference). `supports_mosaic`: the GPU backend on a compute capability 9.x
+device, the delta rule with no or a scalar decay, bfloat16 q/k/v, K = V = 128, Hv == H, chunk size 64.
+
 On a machine without a GPU the same kernels run in Pallas's interpreter through `wy_chunk.chunk_wy(...,
 interpret=True)` and `kda.kda_chunk(..., interpret=True)`; the dispatch never picks them there.
 """
 
 from __future__ import annotations
 
-from deltajax.kernels.gpu import kda, wy_chunk
+import jax
+
+from deltajax.kernels.gpu import kda, mosaic_wy, wy_chunk
 from deltajax.kernels.gpu.wy_chunk import chunk_wy
 from deltajax.rules import dispatch
 
 NAME = "pallas"
 PRIORITY = 10
+MOSAIC_NAME = "mosaic"
 DTYPES = ("bfloat16", "float32")
 LOWERED_DTYPES = ("float32", "bfloat16", "float16")  # compile for CUDA; see the docstring for what was verified
 HEAD_DIMS = (64, 128, 256)
@@ -64,6 +72,33 @@ def supports_delta_rule(call: dispatch.RuleCall) -> bool:
     return supports(call) or supports_kda(call)
 
 
+def hopper_compute_capability() -> bool:
+    """Whether the default device is a compute capability 9.x GPU (wgmma and TMA); fail-closed."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return isinstance(capability, str) and capability.split(".")[0] == "9"
+
+
+def supports_mosaic(call: dispatch.RuleCall) -> bool:
+    """The Mosaic GPU forward (`mosaic_wy.chunk_wy_mosaic`): what its argument checks accept, on Hopper."""
+    if call.platform != "gpu" or call.op != "delta_rule" or call.decay not in ("none", "scalar"):
+        return False
+    if call.dtype != "bfloat16" or call.chunk_size != mosaic_wy.CHUNK or call.key_heads != call.value_heads:
+        return False
+    if call.key_dim != mosaic_wy.HEAD_DIM or call.value_dim != mosaic_wy.HEAD_DIM:
+        return False
+    if call.batch < 1 or call.seq_len < 1 or call.batch * call.value_heads > MAX_BATCH_HEADS:
+        return False
+    return hopper_compute_capability()
+
+
+def mosaic_delta_rule(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64,
+                      state_passing="sequential"):
+    """The dispatch's signature for `mosaic_wy.chunk_wy_mosaic` (the state is always passed sequentially)."""
+    del state_passing
+    return mosaic_wy.chunk_wy_mosaic(q, k, v, beta, log_decay, scale=scale, initial_state=initial_state,
+                                     segment_ids=segment_ids, chunk_size=chunk_size)
+
+
 def chunked_delta_rule(q, k, v, beta, log_decay, **kwargs):
     """The delta rule under "pallas": per-channel log-decays [B, T, Hv, K] go to the KDA kernels."""
     if log_decay is not None and log_decay.ndim == 4:
@@ -73,6 +108,8 @@ def chunked_delta_rule(q, k, v, beta, log_decay, **kwargs):
 
 dispatch.register("delta_rule", NAME, chunked_delta_rule, supports=supports_delta_rule, priority=PRIORITY)
 dispatch.register("linear_attention", NAME, chunk_wy, supports=supports, priority=PRIORITY)
+dispatch.register("delta_rule", MOSAIC_NAME, mosaic_delta_rule, supports=supports_mosaic, forward_only=True)
 
-__all__ = ["CHUNK_SIZES", "DTYPES", "HEAD_DIMS", "KDA_DTYPES", "KDA_HEAD_DIMS", "NAME", "chunk_wy",
-           "chunked_delta_rule", "kda", "supports", "supports_delta_rule", "supports_kda", "wy_chunk"]
+__all__ = ["CHUNK_SIZES", "DTYPES", "HEAD_DIMS", "KDA_DTYPES", "KDA_HEAD_DIMS", "MOSAIC_NAME", "NAME", "chunk_wy",
+           "chunked_delta_rule", "hopper_compute_capability", "kda", "mosaic_delta_rule", "mosaic_wy", "supports",
+           "supports_delta_rule", "supports_kda", "supports_mosaic", "wy_chunk"]

@@ -6,6 +6,7 @@ inputs; outputs and final state <= 3e-3 relative), the kernel lowered for CUDA w
 for unsupported arguments and for differentiation. On a GPU: the compiled kernel at a larger size.
 """
 
+import dataclasses
 import functools
 import warnings
 
@@ -15,9 +16,12 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
+import deltajax
+from deltajax.kernels import gpu as pallas_gpu
 from deltajax.kernels.gpu import mosaic_wy
 from deltajax.kernels.gpu.common import split_bf16_in_xla
 from deltajax.kernels.gpu.mosaic_wy import chunk_wy_mosaic
+from deltajax.rules import dispatch
 from deltajax.rules.scan import recurrent_scan
 from testing_utils import fresh_key, relative_error, rule_inputs
 
@@ -41,9 +45,9 @@ def _run(fn, x, scale=0.3):
     return jax.jit(call)(arrays)
 
 
-def _check(x, tol=BF16_TOL, lo_accumulators="shared", state_tol=STATE_TOL):
-    """x: bf16 q/k/v; the scan sees the same rounded values in fp32."""
-    o, s = _run(functools.partial(chunk_wy_mosaic, lo_accumulators=lo_accumulators), x)
+def _check(x, tol=BF16_TOL, lo_accumulators="shared", state_tol=STATE_TOL, fn=None):
+    """x: bf16 q/k/v; the scan sees the same rounded values in fp32. fn: the kernel (default chunk_wy_mosaic)."""
+    o, s = _run(fn or functools.partial(chunk_wy_mosaic, lo_accumulators=lo_accumulators), x)
     reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
     o_ref, s_ref = _run(recurrent_scan, reference)
     assert o.shape == x["v"].shape and o.dtype == jnp.bfloat16
@@ -153,6 +157,45 @@ def test_unknown_lo_accumulators_raise():
                         segment_ids=None, lo_accumulators="both")
 
 
+MOSAIC_CALL = dispatch.RuleCall(op="delta_rule", batch=2, seq_len=100, key_heads=4, value_heads=4, key_dim=D,
+                                value_dim=D, dtype="bfloat16", decay="scalar", has_initial_state=True,
+                                has_segment_ids=True, chunk_size=64, platform="gpu")
+
+
+def test_dispatch_registers_forward_only(monkeypatch):
+    """"mosaic" takes what chunk_wy_mosaic takes, on Hopper only, and "auto" never picks it (no backward), even
+    where no other kernel takes the call."""
+    monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: True)
+    assert pallas_gpu.supports_mosaic(MOSAIC_CALL)
+    assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(decay="none", has_initial_state=False))
+    for change in (dict(platform="cpu"), dict(platform="tpu"), dict(op="linear_attention"), dict(decay="channel"),
+                   dict(dtype="float32"), dict(dtype="float16"), dict(key_dim=64), dict(value_dim=256),
+                   dict(value_heads=8), dict(chunk_size=32)):
+        assert not pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(**change)), change
+    implementation = dispatch.implementations("delta_rule")["mosaic"]
+    assert implementation.forward_only and implementation.fn is pallas_gpu.mosaic_delta_rule
+    assert dispatch.select("delta_rule", "mosaic", MOSAIC_CALL).name == "mosaic"
+    assert dispatch.select("delta_rule", "auto", MOSAIC_CALL).name == "pallas"
+    # Where "pallas" declines, "auto" falls back to the chunked form, not to "mosaic".
+    monkeypatch.setitem(dispatch._REGISTRY["delta_rule"], "pallas", dataclasses.replace(
+        dispatch._REGISTRY["delta_rule"]["pallas"], supports=lambda call: False))
+    assert dispatch.select("delta_rule", "auto", MOSAIC_CALL).name == "chunk"
+    monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: False)
+    assert not pallas_gpu.supports_mosaic(MOSAIC_CALL)
+    with pytest.raises(ValueError, match="impl='mosaic' does not support"):
+        dispatch.select("delta_rule", "mosaic", MOSAIC_CALL)
+
+
+def test_registered_function_matches_scan_in_interpreter():
+    """The dispatch's signature (state_passing accepted) around the kernel, run in the interpreter."""
+    x = _bf16_inputs(fresh_key(), B=1, T=70, H=1, beta_max=2.0, packed=True, with_initial_state=True)
+    _check(x, fn=functools.partial(pallas_gpu.mosaic_delta_rule, chunk_size=64, state_passing="sequential"))
+
+
+def test_hopper_check_is_false_on_cpu():
+    assert ON_GPU or not pallas_gpu.hopper_compute_capability()
+
+
 H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
                     abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
                                                    platform="gpu"))
@@ -190,3 +233,15 @@ def test_gpu_split_in_xla_keeps_lo():
     """On the GPU, XLA folds f32 -> bf16 -> f32 conversion pairs; the split used outside kernels must still give
     the exact lo half there (a plain x - f32(bf16(x)) gives 0)."""
     _check_split(jax.random.normal(fresh_key(), (64, 64)) * 3.0)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+def test_gpu_public_api_with_impl_mosaic():
+    """deltajax.gated_deltanet(..., impl="mosaic") on the H100 against the fp32 scan on the same inputs."""
+    x = _bf16_inputs(fresh_key(), B=2, T=300, H=2, beta_max=1.0, packed=True, with_initial_state=True)
+    args = (x["q"], x["k"], x["v"], x["beta"], x["log_decay"])
+    kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"], scale=0.3)
+    o, s = jax.jit(lambda *a: deltajax.gated_deltanet(*a, impl="mosaic", **kw))(*args)
+    o_ref, s_ref = deltajax.gated_deltanet(*(a.astype(jnp.float32) for a in args), impl="scan", **kw)
+    assert relative_error(o, o_ref) <= BF16_TOL
+    assert relative_error(s, s_ref) <= STATE_TOL

@@ -106,6 +106,26 @@ def test_auto_prefers_a_supporting_kernel(x):
         dispatch._REGISTRY["delta_rule"].pop("test_kernel")
 
 
+def test_auto_skips_forward_only_kernels(x):
+    """A forward-only kernel runs when named, never under "auto" (which cannot know about later gradients)."""
+    ran = []
+
+    def kernel(q, k, v, beta, log_decay, **kwargs):
+        ran.append(True)
+        return dispatch.implementations("delta_rule")["scan"].fn(q, k, v, beta, log_decay, **kwargs)
+
+    dispatch.register("delta_rule", "test_forward_only", kernel, lambda call: True, priority=1000,
+                      forward_only=True)
+    try:
+        _call(x, impl="auto")
+        assert not ran
+        o, _ = _call(x, impl="test_forward_only")
+        ref, _ = _call(x, impl="scan")
+        assert ran and relative_error(o, ref) == 0.0
+    finally:
+        dispatch._REGISTRY["delta_rule"].pop("test_forward_only")
+
+
 def test_return_final_state_false(x):
     o, s = deltajax.delta_rule(x["q"], x["k"], x["v"], x["beta"], return_final_state=False)
     assert s is None and o.shape == x["v"].shape

@@ -38,6 +38,7 @@ VARIANTS = {
     "prep_blocks": dict(prepare="blocks"),  # 16 x 16 block prepare (measured 2.4x slower once)
     "prep_blocks_rows": dict(prepare="blocks", inverse="rows"),  # row substitution as 16-row strips (the fp32 default)
     "blocks": dict(inverse="blocks"),
+    "bv16": dict(block_v=16),
     "bv32": dict(block_v=32),
     "warps2": dict(warps=2),
     "warps8": dict(warps=8),

@@ -44,6 +44,8 @@ VARIANTS = {
     "tolerant_bf16": dict(grad_k_dots="bf16", state_dots="bf16"),
     # "split" everywhere: the defaults before 2026-11-23 evening.
     "all_split": dict(grad_k_dots="split", state_dots="split"),
+    "bv16": dict(block_v=16),
+    "bv16_warps2": dict(block_v=16, warps=2),
     "bv32": dict(block_v=32),
     "bv128": dict(block_v=128),
     "warps8": dict(warps=8),

@@ -16,6 +16,25 @@ HIGHEST = lax.Precision.HIGHEST
 DOT_MODES = ("highest", "tf32", "bf16", "split")
 
 
+# The sequential passes (forward, reverse) run one program per (batch x value head, V block) through every chunk:
+# with few batch x head pairs most SMs idle, and narrower V blocks buy programs (each recomputes its chunk's K-side
+# products, which are cheap next to the idle SMs). H100, Gated DeltaNet bf16, 2026-11-23 (docs/kernels.md):
+# forward / forward+backward at 8x2048x16x128 BV 64 1.06 / 3.76 ms, BV 32 0.74 / 3.51, BV 16 1.07 / 4.06 ms; at
+# 1x32768x16x128 BV 64 5.22 / 14.06, BV 32 3.39 / 10.31, BV 16 2.91 / 9.36 ms. KDA: 8x2048 BV 64 26.4, BV 32
+# 28.9 ms; 2x8192 29.5 / 29.6; 1x32768 BV 64 72.5, BV 32 65.0, BV 16 74.9 ms (forward+backward).
+MIN_SEQUENTIAL_PROGRAMS = 132  # the SMs of an H100 SXM
+NARROWEST_BLOCK_V = 16  # Triton dots want sides >= 16
+
+
+def sequential_block_v(batch_heads, value_dim, widest, narrowest=NARROWEST_BLOCK_V):
+    """V block of the sequential passes: `widest` (or V), halved while that leaves fewer programs than
+    `MIN_SEQUENTIAL_PROGRAMS`, down to `narrowest` (KDA: 32, below which its passes slowed down)."""
+    block = min(widest, value_dim)
+    while block > narrowest and batch_heads * (value_dim // block) < MIN_SEQUENTIAL_PROGRAMS:
+        block //= 2
+    return block
+
+
 def compiler_params(warps, stages):
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 

@@ -70,6 +70,7 @@ from jax.experimental import pallas as pl
 from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import last as _last
+from deltajax.kernels.gpu.common import sequential_block_v
 from deltajax.kernels.gpu.common import unit_lower_inverse as _unit_lower_row_inverse
 from deltajax.rules.chunk import CumulativeLogDecay
 from deltajax.rules.common import document_index
@@ -810,7 +811,8 @@ _kda_jit = jax.jit(_kda, static_argnums=0)  # eager callers compile once per con
 # Entry point (the rules' signature)
 # ---------------------------------------------------------------------------------------------------------------
 
-BLOCK_V = 64
+BLOCK_V = 64  # the widest V block of the sequential passes (`common.sequential_block_v` narrows it)
+KDA_NARROWEST_BLOCK_V = 32
 GRAD_BLOCK_V = 32
 
 
@@ -821,7 +823,8 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
     return Config(scale=float(scale), chunk_size=int(chunk_size), key_heads=q.shape[2], value_heads=v.shape[2],
                   segmented=segmented, dots="highest" if fp32 else "split", inverse="rows" if fp32 else "blocks",
                   prepare="partner",
-                  block_v=min(BLOCK_V, V), grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=4,
+                  block_v=sequential_block_v(q.shape[0] * v.shape[2], V, BLOCK_V, KDA_NARROWEST_BLOCK_V),
+                  grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=4,
                   grad_warps=4, pair_warps=8, stages=2, interpret=interpret)
 
 

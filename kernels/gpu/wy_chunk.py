@@ -59,6 +59,7 @@ from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import iota2 as _iota2
 from deltajax.kernels.gpu.common import last as _last
+from deltajax.kernels.gpu.common import sequential_block_v
 from deltajax.kernels.gpu.common import unit_lower_inverse as _unit_lower_inverse
 from deltajax.rules.chunk import CumulativeLogDecay
 from deltajax.rules.common import document_index
@@ -793,7 +794,7 @@ _wy.defvjp(_wy_fwd, _wy_bwd)
 # Entry point (the rules' signature)
 # ---------------------------------------------------------------------------------------------------------------
 
-BLOCK_V = 64
+BLOCK_V = 32  # the widest V block of the sequential passes (`common.sequential_block_v` narrows it)
 # Gradient kernels per method: V block, K block of dq and dk (None: whole rows), warps of the K-block kernel. On the
 # H100 (docs/kernels.md) "staged" took 2.7 ms where "fused" took 3.7 ms at 8x2048x16x128, same errors.
 GRAD_METHOD = "staged"
@@ -832,7 +833,8 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
         scale=float(scale), chunk_size=chunk_size, key_heads=q.shape[2], value_heads=v.shape[2], delta=delta,
         segmented=segmented, gated=gated, dots=mode(DOTS), state_dots=tolerant(STATE_DOTS),
         inverse_dots=mode(INVERSE_DOTS), grad_dots=mode(GRAD_DOTS), grad_k_dots=tolerant(GRAD_K_DOTS),
-        block_v=min(BLOCK_V if K <= 128 else 32, V), grad_block_v=min(grad_bv, V), grad_block_k=min(grad_bk or K, K),
+        block_v=sequential_block_v(q.shape[0] * v.shape[2], V, BLOCK_V), grad_block_v=min(grad_bv, V),
+        grad_block_k=min(grad_bk or K, K),
         grad_method=GRAD_METHOD, warps=4, grad_warps=4, grad_k_warps=grad_k_warps,
         inverse_warps=INVERSE_WARPS, inverse_method=FP32_INVERSE_METHOD if fp32 else INVERSE_METHOD, stages=2,
         interpret=interpret)

@@ -208,8 +208,9 @@ def test_other_chunk_sizes(chunk_size):
 
 
 @pytest.mark.parametrize("overrides", [dict(inverse="blocks"), dict(prepare="blocks"),
-                                       dict(prepare="blocks", inverse="blocks"), dict(block_v=32, grad_block_v=16)],
-                         ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks"])
+                                       dict(prepare="blocks", inverse="blocks"), dict(block_v=32, grad_block_v=16),
+                                       dict(block_v=64)],
+                         ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks", "wide_v_blocks"])
 def test_config_variants_fp32(overrides):
     """`Config.inverse="blocks"` (16 x 16 substitutions + block merges, the 16-bit default), the 16 x 16 block
     prepare kernel and other V blocks meet the fp32 bounds on ordinary input."""
@@ -222,6 +223,15 @@ def test_config_variants_fp32(overrides):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, inverse="neumann")), x)
     with pytest.raises(ValueError, match="prepare"):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, prepare="dense")), x)
+
+
+@pytest.mark.parametrize("batch,heads,V,expected", [(8, 16, 128, 64), (2, 16, 128, 32), (1, 16, 128, 32),
+                                                     (1, 1, 16, 16)])
+def test_sequential_block_v_buys_programs_for_few_heads(batch, heads, V, expected):
+    """BV 64, 32 below 132 programs (an H100's SMs), never narrower than 32 (or V)."""
+    x = rule_inputs(fresh_key(), B=batch, T=1, H=heads, K=16, V=V)
+    cfg = default_config(x["q"], x["v"], scale=1.0, chunk_size=64, segmented=False, interpret=True)
+    assert cfg.block_v == expected
 
 
 def test_bf16_split_products_in_interpreter():

@@ -132,6 +132,15 @@ def test_matches_scan_fp32(op, T, decay, packed, init, heads, dims, grad):
     _check(x, op, FP32_OUT_TOL, _fp32_grad_tol, fn=_kernel(GRAD_VARIANTS[grad]))
 
 
+@pytest.mark.parametrize("block_v", [16, 32, 64])
+def test_sequential_block_widths_fp32(block_v):
+    """Every V block the default may pick (`common.sequential_block_v`) for the forward and reverse passes: one,
+    two and four blocks of V = 64, gradients included."""
+    x = rule_inputs(fresh_key(), B=1, T=130, H=1, Hv=2, K=16, V=64, beta_max=2.0, packed=True,
+                    with_initial_state=True)
+    _check(x, "delta_rule", FP32_OUT_TOL, _fp32_grad_tol, fn=_kernel(dict(block_v=block_v)))
+
+
 def _adversarial(key, family, dtype=jnp.float32, B=1, T=130, H=1, Hv=2, K=16, V=16):
     """beta -> 2 (negative eigenvalues) with strongly correlated keys and decay near 0, or decays down to -20."""
     x = rule_inputs(key, B=B, T=T, H=H, Hv=Hv, K=K, V=V, beta_max=2.0, packed=True, with_initial_state=True,
@@ -299,6 +308,19 @@ def test_step_size_rules_on_raw_keys(rule):
         segment_ids=x["segment_ids"], impl="scan")
     assert relative_error(o, o_ref) <= FP32_OUT_TOL
     assert relative_error(s, s_ref) <= FP32_OUT_TOL
+
+
+@pytest.mark.parametrize("batch,heads,V,expected", [
+    (8, 16, 128, 32),  # 512 programs at BV 32: the widest
+    (1, 16, 128, 16),  # 64 programs at BV 32: halved once
+    (2, 16, 128, 16),  # 128 programs at BV 32, fewer than an H100's 132 SMs
+    (1, 1, 64, 16),  # never below 16
+    (64, 32, 256, 32),
+])
+def test_sequential_block_v_buys_programs_for_few_heads(batch, heads, V, expected):
+    x = rule_inputs(fresh_key(), B=batch, T=1, H=heads, K=16, V=V)
+    cfg = default_config(x["q"], x["v"], scale=1.0, chunk_size=64, delta=True, segmented=False, interpret=True)
+    assert cfg.block_v == expected
 
 
 def test_supports_fails_closed():

@@ -31,6 +31,11 @@ flags.DEFINE_bool("interpret", False, "Run in Pallas's interpreter (a smoke test
 
 VARIANTS = {
     "default": {},
+    # Storage between kernels (wy_chunk.INVERSE_STORAGES, STATE_STORAGES): "storage_fp32" is the default before
+    # 2026-11-24 (T and the saved states in fp32).
+    "storage_fp32": dict(inverse_storage="fp32", state_storage="fp32"),
+    "inverse_fp32": dict(inverse_storage="fp32"),
+    "states_fp32": dict(state_storage="fp32"),
     "all_bf16": dict(dots="bf16", state_dots="bf16", inverse_dots="bf16", grad_dots="bf16",
                      grad_k_dots="bf16"),
     "all_tf32": dict(dots="tf32", state_dots="tf32", inverse_dots="tf32", grad_dots="tf32",
@@ -160,7 +165,7 @@ def main(argv):
         for name in FLAGS.variants:
             cfg = wy_chunk.default_config(q, v, scale=D ** -0.5, chunk_size=64, delta=True, segmented=False,
                                           interpret=FLAGS.interpret)
-            cfg = dataclasses.replace(cfg, **VARIANTS[name])
+            cfg = wy_chunk.replace_config(cfg, **VARIANTS[name])
             try:
                 cells = []
                 if FLAGS.per_kernel:
@@ -171,8 +176,9 @@ def main(argv):
                     h0 = jnp.zeros((B, H, D, D), jnp.float32)
                     inv = jax.jit(lambda k, b, g: wy_chunk._inverse(cfg, k, b, g, doc))
                     # The gradient kernels' inputs depend on no grad_* field but grad_dots: made once per size.
-                    key = (size, dataclasses.replace(cfg, grad_block_v=0, grad_block_k=0, grad_method="",
-                                                     grad_warps=0, grad_k_warps=0, grad_k_dots=""))
+                    key = (size, cfg.state_storage, wy_chunk.replace_config(
+                        cfg, grad_block_v=0, grad_block_k=0, grad_method="", grad_warps=0, grad_k_warps=0,
+                        grad_k_dots="", state_storage="fp32"))
                     if FLAGS.grads_only and key in prepared:
                         print(grads_row(size, name, cfg, prepared[key]), flush=True)
                         continue
@@ -186,7 +192,8 @@ def main(argv):
                         cfg, q, k, b, t, g, doc, ones, ones, do, df))
                     dh0, dends = rev(q, k, beta, t, g, o, final)
                     grads = jax.jit(lambda *a: wy_chunk._grads(cfg, *a))
-                    gargs = (q, k, v, beta, t, g, doc, ones, ones, starts, dends, o)
+                    t_grads = wy_chunk._inverse_or_none(cfg, k, beta, g, doc, for_grads=True)[1]
+                    gargs = (q, k, v, beta, t_grads, g, doc, ones, ones, starts, dends, o)
                     if FLAGS.grads_only:
                         prepared[key] = gargs
                         print(grads_row(size, name, cfg, gargs), flush=True)
@@ -196,7 +203,7 @@ def main(argv):
                               median_ms(fwd1, q, k, v, beta, t, g, iters=FLAGS.iters),
                               median_ms(rev, q, k, beta, t, g, o, final, iters=FLAGS.iters),
                               median_ms(grads, *gargs, iters=FLAGS.iters)]
-                    del t, o, final, starts, dh0, dends
+                    del t, t_grads, o, final, starts, dh0, dends
                 else:
                     cells += [float("nan")] * 5
                 run = lambda q, k, v, b, g: wy_chunk.chunk_wy(q, k, v, b, g, scale=D ** -0.5, initial_state=None,

@@ -10,8 +10,6 @@ o and state 3e-3, dq/dk/dv/d(initial state) 6e-3, dbeta/dlog_decay 1e-2.
 
 from __future__ import annotations
 
-import dataclasses
-
 from absl import app, flags
 import jax
 import jax.numpy as jnp
@@ -28,6 +26,11 @@ flags.DEFINE_bool("interpret", False, "Run the kernels in Pallas's interpreter."
 
 VARIANTS = {
     "default": {},
+    # Storage between kernels (wy_chunk.INVERSE_STORAGES, STATE_STORAGES): "storage_fp32" is the default before
+    # 2026-11-24 (T and the saved states in fp32).
+    "storage_fp32": dict(inverse_storage="fp32", state_storage="fp32"),
+    "inverse_fp32": dict(inverse_storage="fp32"),
+    "states_fp32": dict(state_storage="fp32"),
     "all_split": dict(dots="split", state_dots="split", inverse_dots="split", grad_dots="split",
                       grad_k_dots="split"),
     "all_bf16": dict(dots="bf16", state_dots="bf16", inverse_dots="bf16", grad_dots="bf16",
@@ -106,7 +109,7 @@ def main(argv):
         for name in FLAGS.variants:
             cfg = wy_chunk.default_config(x["q"], x["v"], scale=D ** -0.5, chunk_size=64, delta=True,
                                           segmented=True, interpret=FLAGS.interpret)
-            cfg = dataclasses.replace(cfg, **VARIANTS[name])
+            cfg = wy_chunk.replace_config(cfg, **VARIANTS[name])
             kernel = lambda *a, **kw: wy_chunk.chunk_wy(*a, **kw, interpret=cfg.interpret, config=cfg)
             got = errors(kernel, x, D ** -0.5)
             rel = [np.linalg.norm(g - r) / np.linalg.norm(r) for g, r in zip(got, ref)]

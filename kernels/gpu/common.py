@@ -87,6 +87,15 @@ def dot(a, b, *, ta=False, tb=False, mode="highest"):
     return raw(a_hi, b_hi) + (raw(a_hi, b_lo) + raw(a_lo, b_hi))
 
 
+def split_pair_dot(a_pair, b, *, ta=False):
+    """`dot(a, b, ta=ta, mode="split")` for an fp32 a given as its pair (hi, lo) = `split_bf16(a)` (made once and
+    stored, so the consumer loads two bf16 operands) and an fp32 b: the same three bf16 products, same order."""
+    dims = (((0 if ta else 1,), (0,)), ((), ()))
+    raw = lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=F32)
+    (a_hi, a_lo), (b_hi, b_lo) = a_pair, split_bf16(b)
+    return raw(a_hi, b_hi) + (raw(a_hi, b_lo) + raw(a_lo, b_hi))
+
+
 def iota2(n, m, axis):
     return lax.broadcasted_iota(jnp.int32, (n, m), axis)
 

@@ -60,6 +60,8 @@ from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import iota2 as _iota2
 from deltajax.kernels.gpu.common import last as _last
 from deltajax.kernels.gpu.common import sequential_block_v
+from deltajax.kernels.gpu.common import split_bf16 as _split_bf16
+from deltajax.kernels.gpu.common import split_pair_dot as _split_pair_dot
 from deltajax.kernels.gpu.common import unit_lower_inverse as _unit_lower_inverse
 from deltajax.rules.chunk import CumulativeLogDecay
 from deltajax.rules.common import document_index
@@ -70,6 +72,8 @@ BF16 = jnp.bfloat16
 HIGHEST = lax.Precision.HIGHEST
 GRAD_METHODS = ("fused", "staged")
 INVERSE_METHODS = ("blocks16", "batched16")
+INVERSE_STORAGES = ("fp32", "split")
+STATE_STORAGES = ("fp32", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +103,27 @@ class Config:
     inverse_method: str  # INVERSE_METHODS: how `_inverse_kernel` forms T (see there)
     stages: int
     interpret: bool
+    # How the gradient kernels read T (INVERSE_STORAGES): fp32, or "split": its bf16 pair (hi, lo) = split_bf16(T),
+    # written once by the inverse kernel next to the fp32 T when the call is differentiated (the gradient kernels
+    # then load two bf16 operands instead of holding and splitting an fp32 C x C tile: no register spills in
+    # part 1 on the H100). The sequential passes always read fp32 T: with the pair their pipelined loads took
+    # 122 KB of shared memory, one program per SM, and the forward pass slowed from 0.72 to 0.85 ms.
+    inverse_storage: str = "fp32"
+    # dtype of the saved chunk start states and end-state cotangents (STATE_STORAGES). "bf16" only where every
+    # product that reads them rounds them to bf16 anyway ("staged" gradients, state_dots = grad_k_dots = "bf16").
+    state_storage: str = "fp32"
+
+    def __post_init__(self):
+        if self.inverse_storage not in INVERSE_STORAGES:
+            raise ValueError(f"inverse_storage must be one of {INVERSE_STORAGES}, got {self.inverse_storage!r}")
+        if self.inverse_storage == "split" and self.inverse_dots != "split":
+            raise ValueError(f"inverse_storage='split' needs inverse_dots='split', got {self.inverse_dots!r}")
+        if self.state_storage not in STATE_STORAGES:
+            raise ValueError(f"state_storage must be one of {STATE_STORAGES}, got {self.state_storage!r}")
+        if self.state_storage == "bf16" and not (
+                self.grad_method == "staged" and self.state_dots == "bf16" and self.grad_k_dots == "bf16"):
+            raise ValueError("state_storage='bf16' needs grad_method='staged' and state_dots = grad_k_dots = 'bf16' "
+                             f"(got {self.grad_method!r}, {self.state_dots!r}, {self.grad_k_dots!r})")
 
 
 def _gates(g_ref, rows=slice(None)):
@@ -182,16 +207,43 @@ def _exact_dot(a, b, fp32):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _inverse_kernel(k_ref, beta_ref, g_ref, doc_ref, t_ref, *, cfg: Config):
+def _store_inverse(t_refs, rows, cols, value):
+    """Writes a block of T: fp32 into t_refs[0] and, where a second ref is given, its bf16 pair (hi, lo)."""
+    t_refs[0][rows, cols] = value
+    if len(t_refs) == 2:
+        hi, lo = _split_bf16(value)
+        t_refs[1][0, rows, cols] = hi
+        t_refs[1][1, rows, cols] = lo
+
+
+def _inverse_dot(t_ref, rows, x, cfg, *, ta=False):
+    """T x (T^T x with `ta`) for the rows `rows` of T and an fp32 x. T is an fp32 block (products in
+    `cfg.inverse_dots`) or its stored bf16 pair, a block with a leading axis of 2 (the same three bf16 products as
+    "split")."""
+    if len(t_ref.shape) == 3:
+        return _split_pair_dot((t_ref[0, rows, :], t_ref[1, rows, :]), x, ta=ta)
+    return _dot(t_ref[rows, :], x, ta=ta, mode=cfg.inverse_dots)
+
+
+def inverse_spec(cfg, index_map, *, pair=False):
+    """BlockSpec of one chunk's T (all C rows): [B, Tp, Hv, C] fp32, or with `pair` its [2, B, Tp, Hv, C] bf16
+    pair; `index_map` gives (b, chunk, hv, 0) of the fp32 layout."""
+    C = cfg.chunk_size
+    if pair:
+        return pl.BlockSpec((2, None, C, None, C), lambda *ids: (0,) + tuple(index_map(*ids)))
+    return pl.BlockSpec((None, C, None, C), index_map)
+
+
+def _inverse_kernel(k_ref, beta_ref, g_ref, doc_ref, *t_refs, cfg: Config):
     if cfg.inverse_method == "blocks16":
-        _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_ref, cfg)
+        _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg)
     elif cfg.inverse_method == "batched16":
-        _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_ref, cfg)
+        _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg)
     else:
         raise ValueError(f"inverse_method must be one of {INVERSE_METHODS}, got {cfg.inverse_method!r}")
 
 
-def _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_ref, cfg):
+def _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
     """T of eq. (2) by halves of the chunk (h = C/2 rows): A_11, A_22 and A_21 from three h x h x K dots, the 2h/SUB
     diagonal SUB-blocks of both halves inverted side by side (`_block_diagonal_inverses`, SUB - 1 serial steps in
     all), merged inside each half, then T_21 = -T_22 A_21 T_11. All products of the merges are exact (`_exact_dot`).
@@ -225,13 +277,13 @@ def _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_ref, cfg):
         for i, a in enumerate(diagonal):
             t[i] = t[i] - _exact_dot(t[i], _exact_dot(jnp.where(inside, a, 0.0), t[i], fp32), fp32)
         n *= 2
-    t_ref[halves[0], halves[0]] = t[0]
-    t_ref[halves[1], halves[1]] = t[1]
-    t_ref[halves[1], halves[0]] = -_exact_dot(t[1], _exact_dot(block(1, 0), t[0], fp32), fp32)
-    t_ref[halves[0], halves[1]] = jnp.zeros((h, h), F32)
+    _store_inverse(t_refs, halves[0], halves[0], t[0])
+    _store_inverse(t_refs, halves[1], halves[1], t[1])
+    _store_inverse(t_refs, halves[1], halves[0], -_exact_dot(t[1], _exact_dot(block(1, 0), t[0], fp32), fp32))
+    _store_inverse(t_refs, halves[0], halves[1], jnp.zeros((h, h), F32))
 
 
-def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_ref, cfg):
+def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
     """T of eq. (2) block by block: 10 SUB x SUB x K dots for the blocks of A, the 4 diagonal blocks inverted one
     after another (`_unit_lower_inverse`), then T_ij = -T_ii sum_m A_im T_mj with SUB x SUB dots at IEEE fp32."""
     nb = cfg.chunk_size // SUB
@@ -259,27 +311,30 @@ def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_ref, cfg):
             t[i, j] = -_dot(t[i, i], acc)
     for i in range(nb):
         for j in range(nb):
-            t_ref[blocks[i], blocks[j]] = t[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
+            _store_inverse(t_refs, blocks[i], blocks[j], t[i, j] if j <= i else jnp.zeros((SUB, SUB), F32))
 
 
-def _inverse(cfg, k, beta, g, doc):
+def _inverse(cfg, k, beta, g, doc, *, pair=False):
+    """T (fp32) of every chunk; with `pair` also its bf16 pair (hi, lo) for the gradient kernels."""
     B, Tp, H, K = k.shape
     Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
     key = lambda t, bh: (bh // Hv, t, (bh % Hv) // G, 0)
     head = lambda t, bh: (bh // Hv, t, bh % Hv, 0)
     gate = lambda t, bh: (bh // Hv, t, bh % Hv)
     seq = lambda t, bh: (bh // Hv, t)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(_inverse_kernel, cfg=cfg),
         grid=(Tp // C, B * Hv),
         in_specs=[pl.BlockSpec((None, C, None, K), key), pl.BlockSpec((None, C, None), gate),
                   pl.BlockSpec((2, None, C, None), lambda t, bh: (0,) + gate(t, bh)), pl.BlockSpec((None, C), seq)],
-        out_specs=pl.BlockSpec((None, C, None, C), head),
-        out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, C), F32),
+        out_specs=[inverse_spec(cfg, head)] + ([inverse_spec(cfg, head, pair=True)] if pair else []),
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)]
+        + ([jax.ShapeDtypeStruct((2, B, Tp, Hv, C), BF16)] if pair else []),
         compiler_params=_params(cfg.inverse_warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_inverse",
     )(k, beta, g, doc)
+    return tuple(out) if pair else out[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -312,7 +367,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_
         """s: the state block at the start of chunk i; returns the one at its end."""
         rows = pl.ds(pl.multiple_of(i * C, C), C)
         if states_ref:
-            states_ref[0][pl.ds(pl.multiple_of(i * K, K), K), :] = s
+            states_ref[0][pl.ds(pl.multiple_of(i * K, K), K), :] = s.astype(states_ref[0].dtype)
         q, k, g = q_ref[rows, :], k_ref[rows, :], _gates(g_ref, rows)
         from_start, to_end, survive = _chunk_scalars(g, carry_ref[rows], tail_ref[rows])
         mask = _chunk_mask(doc_ref[rows], C, strict=False, segmented=cfg.segmented)
@@ -322,13 +377,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_
             # K S and K dS (here, in the reverse pass and in the gradients' part 1) tolerate bf16 operands where the
             # other products of the passes do not (docs/kernels.md, "Which products need split").
             y = u - from_start[:, None] * _dot(k, s, mode=cfg.state_dots)
-            u = _dot(t_ref[rows, :], beta_ref[rows][:, None] * y, mode=cfg.inverse_dots)
+            u = _inverse_dot(t_ref, rows, beta_ref[rows][:, None] * y, cfg)
         # Diagonal scales go on the fp32 side of each dot so that q and k enter the tensor cores unrounded.
         o = cfg.scale * (from_start[:, None] * _dot(q, s, mode=cfg.dots) + _dot(p, u, mode=cfg.dots))
         o_ref[rows, :] = o.astype(o_ref.dtype)
         return survive * s + _dot(k, to_end[:, None] * u, ta=True, mode=cfg.dots)
 
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
+
+
+def _state_dtype(cfg):
+    return BF16 if cfg.state_storage == "bf16" else F32
 
 
 def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states):
@@ -340,7 +399,7 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
     out_shape = [jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), jax.ShapeDtypeStruct((B, Hv, K, V), F32)]
     out_specs = [sp["value"], sp["state"]]
     if with_states:
-        out_shape.append(jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32))
+        out_shape.append(jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg)))
         out_specs.append(pl.BlockSpec((None, None, nt * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)))
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, nt=nt),
@@ -369,7 +428,7 @@ def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, ta
         """ds: dL/d(state at the end of chunk i = nt-1-n); returns dL/d(state at its start)."""
         i = nt - 1 - n
         rows = pl.ds(pl.multiple_of(i * C, C), C)
-        dends_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = ds
+        dends_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = ds.astype(dends_ref.dtype)
         q, k, g = q_ref[rows, :], k_ref[rows, :], _gates(g_ref, rows)
         from_start, to_end, survive = _chunk_scalars(g, carry_ref[rows], tail_ref[rows])
         do = do_ref[rows, :]
@@ -380,7 +439,7 @@ def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, ta
             p = _dot(q, k, tb=True, mode=cfg.grad_dots) * _pair_decay(g, g, mask)
             du = (cfg.scale * _dot(p, do, ta=True, mode=cfg.grad_dots)
                   + to_end[:, None] * _dot(k, ds, mode=cfg.state_dots))
-            dx = _dot(t_ref[rows, :], du, ta=True, mode=cfg.inverse_dots)  # dL/d(beta y) of eq. (4)
+            dx = _inverse_dot(t_ref, rows, du, cfg, ta=True)  # dL/d(beta y) of eq. (4)
             dks = -(beta_ref[rows] * from_start)[:, None] * dx  # dL/d(K S_0) of eq. (3)
             ds_start = ds_start + _dot(k, dks, ta=True, mode=cfg.grad_dots)
         return ds_start
@@ -400,7 +459,8 @@ def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal):
         in_specs=[sp["key"], sp["key"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], sp["seq"], sp["seq"],
                   sp["value"], sp["state"]],
         out_specs=[sp["state"], pl.BlockSpec((None, None, nt * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j))],
-        out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32)],
+        out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32),
+                   jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))],
         compiler_params=_params(cfg.warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_reverse",
@@ -432,7 +492,7 @@ def _grad_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref
     qk = _dot(q, k, tb=True, mode=mode)
     p = qk * decay
     beta = beta_ref[...]
-    t = t_ref[...] if cfg.delta else None
+    whole_chunk = slice(None)
 
     def write_dv(cols, value):
         if whole:
@@ -453,8 +513,8 @@ def _grad_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref
         if cfg.delta:
             ks = _dot(k, s0, mode=mode)
             y = u - from_start[:, None] * ks
-            u = _dot(t, beta[:, None] * y, mode=cfg.inverse_dots)
-            dx = _dot(t, du, ta=True, mode=cfg.inverse_dots)
+            u = _inverse_dot(t_ref, whole_chunk, beta[:, None] * y, cfg)
+            dx = _inverse_dot(t_ref, whole_chunk, du, cfg, ta=True)
             write_dv(cols, beta[:, None] * dx)
             dks = -(beta * from_start)[:, None] * dx
             da_acc = da_acc - _dot(dx, u, tb=True, mode=mode)  # dA = -T^T du (T beta y)^T
@@ -540,11 +600,10 @@ def _grad_v_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_r
     if cfg.delta:
         u_ref, dx_ref, da_ref, dbeta_ref, dg_ref = delta_refs
         beta = beta_ref[...]
-        t = t_ref[...]
         ks = _dot(k, s0_ref[...], mode=cfg.state_dots)
         y = u - from_start[:, None] * ks
-        u = _dot(t, beta[:, None] * y, mode=cfg.inverse_dots)
-        dx = _dot(t, du, ta=True, mode=cfg.inverse_dots)
+        u = _inverse_dot(t_ref, slice(None), beta[:, None] * y, cfg)
+        dx = _inverse_dot(t_ref, slice(None), du, cfg, ta=True)
         dv_ref[...] = (beta[:, None] * dx).astype(dv_ref.dtype)
         u_ref[...] = u
         dx_ref[...] = dx
@@ -594,7 +653,7 @@ def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tai
             dk_acc = dk_acc + _dot(dks, s0, tb=True, mode=late)
         dk_acc = dk_acc + _dot(to_end[:, None] * u_ref[:, cols].astype(F32), dend, tb=True, mode=late)
         dq_acc = dq_acc + _dot(do, s0, tb=True, mode=late)
-        survive_acc = survive_acc + jnp.sum(s0 * dend)
+        survive_acc = survive_acc + jnp.sum(s0.astype(F32) * dend.astype(F32))
         return dq_acc, dk_acc, survive_acc
 
     acc = (jnp.zeros((C, BK), F32), jnp.zeros((C, BK), F32), jnp.float32(0.0))
@@ -602,17 +661,19 @@ def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tai
 
     parts = lambda ref: functools.reduce(lambda a, b: a + b, [ref[:, pl.ds(j * C, C)] for j in range(nv)])
     q, k = q_ref[...], k_ref[...]
-    q_k, k_k = q_ref[:, kcols], k_ref[:, kcols]
+    q_k, k_k = (q, k) if BK == q.shape[-1] else (q_ref[:, kcols], k_ref[:, kcols])
     doc = doc_ref[...]
     mask = _chunk_mask(doc, C, strict=False, segmented=cfg.segmented)
     strict = _chunk_mask(doc, C, strict=True, segmented=cfg.segmented)
     decay = _pair_decay(g, g, mask)
-    qk = _dot(q, k, tb=True, mode=mode)
+    # dq is finished and written before any C x C term of dk is formed: fewer C x BK fp32 tiles live at once (this
+    # kernel spilled registers with dq held to the end).
     dq_state = cfg.scale * from_start[:, None] * dq_acc
+    local = jnp.sum(dq_state * q_k.astype(F32), axis=1)
     dp = cfg.scale * parts(dp_ref) * decay  # dL/d(Q K^T) of eq. (5)
-    dq = dq_state + _dot(dp, k_k, mode=mode)
+    dq_ref[...] = (dq_state + _dot(dp, k_k, mode=mode)).astype(dq_ref.dtype)
     dk = dk_acc + _dot(dp, q_k, ta=True, mode=mode)
-    z = jnp.where(strict, dp * qk, 0.0)
+    z = jnp.where(strict, dp * _dot(q, k, tb=True, mode=mode), 0.0)
     shared = jnp.sum(z, axis=1) - jnp.sum(z, axis=0)  # the K-independent terms of dL/dG
     if cfg.delta:
         decay_strict = jnp.where(strict, decay, 0.0)
@@ -620,17 +681,17 @@ def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tai
         da = jnp.where(strict, parts(da_ref), 0.0)
         dbeta_ref[...] = jnp.where(first, dbeta_part_ref[...] + jnp.sum(da * kk * decay_strict, axis=1), 0.0)
         da_k = da * decay_strict * beta[:, None]  # dL/d(k_t . k_s)
-        dk = dk + _dot(da_k, k_k, mode=late) + _dot(da_k, k_k, ta=True, mode=late)
         za = da_k * kk  # dA (.) A
         shared = dg_ref[...] + shared + jnp.sum(za, axis=1) - jnp.sum(za, axis=0)
-    dlog_ref[...] = _dlog(jnp.sum(dq_state * q_k.astype(F32), axis=1), shared, end_ref[...], survive * survive_acc,
-                          first)
-    dq_ref[...] = dq.astype(dq_ref.dtype)
+        dk = dk + _dot(da_k, k_k, mode=late) + _dot(da_k, k_k, ta=True, mode=late)
     dk_ref[...] = dk.astype(dk_ref.dtype)
+    dlog_ref[...] = _dlog(local, shared, end_ref[...], survive * survive_acc, first)
 
 
 def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do):
-    """dq, dk (per value head), dv, dbeta and d(log_decay) of every chunk, by `cfg.grad_method`."""
+    """dq, dk (per value head), dv, dbeta and d(log_decay) of every chunk, by `cfg.grad_method`. `t` is T as
+    `cfg.inverse_storage` says (fp32, or its bf16 pair from `_inverse(..., pair=True)`)."""
+    pair = cfg.inverse_storage == "split"
     B, Tp, H, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     C, G = cfg.chunk_size, Hv // H
@@ -659,9 +720,9 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do):
             functools.partial(_grad_kernel, cfg=cfg),
             grid=(nk, Tp // C, B * Hv),
             in_specs=[key_spec, key_spec, value_spec, gate_spec,
-                      pl.BlockSpec((None, C, None, C), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
-                      if cfg.delta else key_spec, gates_spec,
-                      seq_spec, seq_spec, seq_spec, state_spec, state_spec, value_spec],
+                      inverse_spec(cfg, lambda j, i, bh: (bh // Hv, i, bh % Hv, 0), pair=pair) if cfg.delta
+                      else key_spec,
+                      gates_spec, seq_spec, seq_spec, seq_spec, state_spec, state_spec, value_spec],
             out_specs=[k_block_spec, k_block_spec, value_spec, block_vector_spec, block_vector_spec],
             out_shape=[qk_grad, qk_grad, jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), block_vector(nk),
                        block_vector(nk)],
@@ -686,9 +747,9 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do):
         functools.partial(_grad_v_kernel, cfg=cfg),
         grid=(nv, Tp // C, B * Hv),
         in_specs=[key_spec, key_spec, v_block_spec, gate_spec,
-                  pl.BlockSpec((None, C, None, C), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
-                  if cfg.delta else key_spec, gates_spec,
-                  seq_spec, seq_spec, seq_spec, state_v_spec, state_v_spec, v_block_spec],
+                  inverse_spec(cfg, lambda j, i, bh: (bh // Hv, i, bh % Hv, 0), pair=pair) if cfg.delta
+                      else key_spec,
+                  gates_spec, seq_spec, seq_spec, seq_spec, state_v_spec, state_v_spec, v_block_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_params(cfg.grad_warps, cfg.stages),
@@ -734,10 +795,17 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _inverse_or_none(cfg, k, beta, g, doc):
-    if cfg.delta:
+def _inverse_or_none(cfg, k, beta, g, doc, *, for_grads=False):
+    """T for the sequential passes, and with `for_grads` also T as the gradient kernels read it (the same array
+    unless `cfg.inverse_storage` is "split")."""
+    if not cfg.delta:
+        return (k, k) if for_grads else k  # linear attention never reads T (cfg.delta gates every use)
+    if not for_grads:
         return _inverse(cfg, k, beta, g, doc)
-    return k  # linear attention never reads T (cfg.delta gates every use); k fills its slot without a copy
+    if cfg.inverse_storage == "split":
+        return _inverse(cfg, k, beta, g, doc, pair=True)
+    t = _inverse(cfg, k, beta, g, doc)
+    return t, t
 
 
 def _in_chunk_cumsum(cfg, log_decay):
@@ -766,17 +834,17 @@ def _wy(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
 
 def _wy_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     g = _gate_input(cfg, log_decay)
-    t = _inverse_or_none(cfg, k, beta, g, doc)
+    t, t_grads = _inverse_or_none(cfg, k, beta, g, doc, for_grads=True)
     o, final, starts = _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=True)
-    return (o, final), (q, k, v, beta, g, doc, carry, tail, t, starts)
+    return (o, final), (q, k, v, beta, g, doc, carry, tail, t, t_grads, starts)
 
 
 def _wy_bwd(cfg, residuals, cotangents):
-    q, k, v, beta, g, doc, carry, tail, t, starts = residuals
+    q, k, v, beta, g, doc, carry, tail, t, t_grads, starts = residuals
     do, dfinal = cotangents
     do = do.astype(v.dtype)
     dh0, dends = _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32))
-    dq, dk, dv, dbeta, dlog = _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do)
+    dq, dk, dv, dbeta, dlog = _grads(cfg, q, k, v, beta, t_grads, g, doc, carry, tail, starts, dends, do)
     B, Tp, H, K = q.shape
     G = cfg.value_heads // cfg.key_heads
     if G > 1:
@@ -819,6 +887,11 @@ INVERSE_DOTS = "split"
 GRAD_DOTS = "split"
 GRAD_K_DOTS = "bf16"
 STATE_DOTS = "bf16"
+# Storage between kernels, where the consumers' products allow it (`Config.inverse_storage`, `state_storage`): T
+# as its bf16 (hi, lo) pair whenever its products are "split", the saved states and end-state cotangents in bf16
+# whenever every product reading them rounds them to bf16 (bfloat16 inputs).
+INVERSE_STORAGE = "split"
+STATE_STORAGE = "bf16"
 
 
 def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gated=True):
@@ -829,15 +902,30 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
     fp16 = jnp.dtype(q.dtype) == jnp.float16
     tolerant = lambda chosen: mode("split" if fp16 and chosen == "bf16" else chosen)
     grad_bv, grad_bk, grad_k_warps = GRAD_BLOCKS[GRAD_METHOD]
+    inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), tolerant(STATE_DOTS), tolerant(GRAD_K_DOTS)
+    rounded_states = GRAD_METHOD == "staged" and state_dots == grad_k_dots == "bf16"
     return Config(
         scale=float(scale), chunk_size=chunk_size, key_heads=q.shape[2], value_heads=v.shape[2], delta=delta,
-        segmented=segmented, gated=gated, dots=mode(DOTS), state_dots=tolerant(STATE_DOTS),
-        inverse_dots=mode(INVERSE_DOTS), grad_dots=mode(GRAD_DOTS), grad_k_dots=tolerant(GRAD_K_DOTS),
+        segmented=segmented, gated=gated, dots=mode(DOTS), state_dots=state_dots,
+        inverse_dots=inverse_dots, grad_dots=mode(GRAD_DOTS), grad_k_dots=grad_k_dots,
         block_v=sequential_block_v(q.shape[0] * v.shape[2], V, BLOCK_V), grad_block_v=min(grad_bv, V),
         grad_block_k=min(grad_bk or K, K),
         grad_method=GRAD_METHOD, warps=4, grad_warps=4, grad_k_warps=grad_k_warps,
         inverse_warps=INVERSE_WARPS, inverse_method=FP32_INVERSE_METHOD if fp32 else INVERSE_METHOD, stages=2,
-        interpret=interpret)
+        interpret=interpret, inverse_storage=INVERSE_STORAGE if inverse_dots == "split" else "fp32",
+        state_storage=STATE_STORAGE if rounded_states else "fp32")
+
+
+def replace_config(cfg, **changes):
+    """`dataclasses.replace` for a variant of a config: the storages, unless `changes` names them, fall back to fp32
+    where the changed products no longer allow "split" T or bf16 states."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)} | changes
+    if "inverse_storage" not in changes and fields["inverse_dots"] != "split":
+        fields["inverse_storage"] = "fp32"
+    rounded_states = fields["grad_method"] == "staged" and fields["state_dots"] == fields["grad_k_dots"] == "bf16"
+    if "state_storage" not in changes and not rounded_states:
+        fields["state_storage"] = "fp32"
+    return Config(**fields)
 
 
 def _pad_time(x, pad, mode="constant"):

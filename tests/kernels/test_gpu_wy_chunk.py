@@ -69,7 +69,7 @@ def _kernel(grad=None, interpret=not ON_GPU):
         cfg = default_config(q, v, scale=scale, chunk_size=64, delta=beta is not None,
                              segmented=segment_ids is not None, interpret=interpret)
         return chunk_wy(q, k, v, beta, log_decay, scale=scale, initial_state=initial_state, segment_ids=segment_ids,
-                        interpret=interpret, config=dataclasses.replace(cfg, **grad))
+                        interpret=interpret, config=wy_chunk.replace_config(cfg, **grad))
 
     return fn
 
@@ -238,6 +238,13 @@ def test_inverse_methods_are_exact(dtype):
     for method in wy_chunk.INVERSE_METHODS[1:]:
         err = relative_error(ts[method], ts[wy_chunk.INVERSE_METHODS[0]])
         assert err <= FP32_OUT_TOL, (method, err)
+    # The bf16 pair (hi, lo) written for the gradient kernels: T itself split exactly as the kernels split it.
+    t, pair = wy_chunk._inverse(cfg, k, beta, g, doc, pair=True)
+    assert pair.dtype == jnp.bfloat16 and pair.shape == (2,) + t.shape
+    hi = np.asarray(t.astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(pair[0].astype(jnp.float32)), hi)
+    np.testing.assert_array_equal(np.asarray(pair[1].astype(jnp.float32)),
+                                  np.asarray(jnp.asarray(np.asarray(t) - hi).astype(jnp.bfloat16).astype(jnp.float32)))
 
 
 def test_bf16_default_config_in_interpreter():

@@ -83,14 +83,13 @@ def dot(a, b, *, ta=False, tb=False, mode="highest"):
     if b.dtype == BF16:
         a_hi, a_lo = split_bf16(a)
         return raw(a_hi, b) + raw(a_lo, b)
-    (a_hi, a_lo), (b_hi, b_lo) = split_bf16(a), split_bf16(b)
-    return raw(a_hi, b_hi) + (raw(a_hi, b_lo) + raw(a_lo, b_hi))
+    return split_pair_dot(split_bf16(a), b, ta=ta, tb=tb)
 
 
-def split_pair_dot(a_pair, b, *, ta=False):
-    """`dot(a, b, ta=ta, mode="split")` for an fp32 a given as its pair (hi, lo) = `split_bf16(a)` (made once and
-    stored, so the consumer loads two bf16 operands) and an fp32 b: the same three bf16 products, same order."""
-    dims = (((0 if ta else 1,), (0,)), ((), ()))
+def split_pair_dot(a_pair, b, *, ta=False, tb=False):
+    """The "split" product of `dot` for two fp32 operands, with a given as its pair (hi, lo) = `split_bf16(a)`
+    (which a kernel may receive already made and stored, loading two bf16 operands): three bf16 products."""
+    dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
     raw = lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=F32)
     (a_hi, a_lo), (b_hi, b_lo) = a_pair, split_bf16(b)
     return raw(a_hi, b_hi) + (raw(a_hi, b_lo) + raw(a_lo, b_hi))

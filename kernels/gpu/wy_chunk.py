@@ -107,7 +107,7 @@ class Config:
     # written once by the inverse kernel next to the fp32 T when the call is differentiated (the gradient kernels
     # then load two bf16 operands instead of holding and splitting an fp32 C x C tile: no register spills in
     # part 1 on the H100). The sequential passes always read fp32 T: with the pair their pipelined loads took
-    # 122 KB of shared memory, one program per SM, and the forward pass slowed from 0.72 to 0.85 ms.
+    # 122 KB of shared memory, one program per SM, and the forward pass slowed from 0.73 to 0.86 ms (H100).
     inverse_storage: str = "fp32"
     # dtype of the saved chunk start states and end-state cotangents (STATE_STORAGES). "bf16" only where every
     # product that reads them rounds them to bf16 anyway ("staged" gradients, state_dots = grad_k_dots = "bf16").
@@ -888,7 +888,7 @@ GRAD_DOTS = "split"
 GRAD_K_DOTS = "bf16"
 STATE_DOTS = "bf16"
 # Storage between kernels, where the consumers' products allow it (`Config.inverse_storage`, `state_storage`): T
-# as its bf16 (hi, lo) pair whenever its products are "split", the saved states and end-state cotangents in bf16
+# for the gradient kernels as its bf16 (hi, lo) pair whenever its products are "split", the saved states and end-state cotangents in bf16
 # whenever every product reading them rounds them to bf16 (bfloat16 inputs).
 INVERSE_STORAGE = "split"
 STATE_STORAGE = "bf16"

@@ -36,6 +36,7 @@ VARIANTS = {
     "storage_fp32": dict(inverse_storage="fp32", state_storage="fp32"),
     "inverse_fp32": dict(inverse_storage="fp32"),
     "states_fp32": dict(state_storage="fp32"),
+    "recompute_u_dx": dict(grads_from_passes=False),
     "all_bf16": dict(dots="bf16", state_dots="bf16", inverse_dots="bf16", grad_dots="bf16",
                      grad_k_dots="bf16"),
     "all_tf32": dict(dots="tf32", state_dots="tf32", inverse_dots="tf32", grad_dots="tf32",
@@ -140,12 +141,17 @@ def variant_errors(cfg):
     return ", ".join(f"{rel(x, r):.1e}" for x, r in zip((o,) + grads, (o_ref,) + grads_ref))
 
 
+def _grads(cfg, *args):
+    """`wy_chunk._grads` on the 12 arrays it always takes, then u and dx saved by the passes (if any)."""
+    return wy_chunk._grads(cfg, *args[:12], saved=args[12:] or None)
+
+
 def grads_row(size, name, cfg, gargs):
     """--grads_only: the gradient kernels, and for "staged" its first kernel alone (dv needs no other)."""
-    grads = jax.jit(lambda *a: wy_chunk._grads(cfg, *a))
+    grads = jax.jit(lambda *a: _grads(cfg, *a))
     note = ""
     if cfg.grad_method == "staged":
-        first = jax.jit(lambda *a: wy_chunk._grads(cfg, *a)[2])  # XLA drops the second kernel
+        first = jax.jit(lambda *a: _grads(cfg, *a)[2])  # XLA drops the second kernel
         note = f"V-block kernel alone {median_ms(first, *gargs, iters=FLAGS.iters):.3f} ms"
     cells = ["nan"] * 4 + [f"{median_ms(grads, *gargs, iters=FLAGS.iters):.3f}", "nan", "nan", note]
     return f"| {size} | {name} | " + " | ".join(cells) + " |"
@@ -176,7 +182,7 @@ def main(argv):
                     h0 = jnp.zeros((B, H, D, D), jnp.float32)
                     inv = jax.jit(lambda k, b, g: wy_chunk._inverse(cfg, k, b, g, doc))
                     # The gradient kernels' inputs depend on no grad_* field but grad_dots: made once per size.
-                    key = (size, cfg.state_storage, wy_chunk.replace_config(
+                    key = (size, cfg.state_storage, cfg.grads_from_passes, wy_chunk.replace_config(
                         cfg, grad_block_v=0, grad_block_k=0, grad_method="", grad_warps=0, grad_k_warps=0,
                         grad_k_dots="", state_storage="fp32"))
                     if FLAGS.grads_only and key in prepared:
@@ -187,13 +193,13 @@ def main(argv):
                         cfg, q, k, v, b, t, g, doc, ones, ones, h0, with_states=False))
                     fwd1 = jax.jit(lambda q, k, v, b, t, g: wy_chunk._forward_pass(
                         cfg, q, k, v, b, t, g, doc, ones, ones, h0, with_states=True))
-                    o, final, starts = fwd1(q, k, v, beta, t, g)
+                    o, final, starts, *u = fwd1(q, k, v, beta, t, g)
                     rev = jax.jit(lambda q, k, b, t, g, do, df: wy_chunk._reverse_pass(
                         cfg, q, k, b, t, g, doc, ones, ones, do, df))
-                    dh0, dends = rev(q, k, beta, t, g, o, final)
-                    grads = jax.jit(lambda *a: wy_chunk._grads(cfg, *a))
+                    dh0, dends, *dx = rev(q, k, beta, t, g, o, final)
+                    grads = jax.jit(lambda *a: _grads(cfg, *a))
                     t_grads = wy_chunk._inverse_or_none(cfg, k, beta, g, doc, for_grads=True)[1]
-                    gargs = (q, k, v, beta, t_grads, g, doc, ones, ones, starts, dends, o)
+                    gargs = (q, k, v, beta, t_grads, g, doc, ones, ones, starts, dends, o, *u, *dx)
                     if FLAGS.grads_only:
                         prepared[key] = gargs
                         print(grads_row(size, name, cfg, gargs), flush=True)
@@ -203,7 +209,7 @@ def main(argv):
                               median_ms(fwd1, q, k, v, beta, t, g, iters=FLAGS.iters),
                               median_ms(rev, q, k, beta, t, g, o, final, iters=FLAGS.iters),
                               median_ms(grads, *gargs, iters=FLAGS.iters)]
-                    del t, t_grads, o, final, starts, dh0, dends
+                    del t, t_grads, o, final, starts, dh0, dends, u, dx, gargs
                 else:
                     cells += [float("nan")] * 5
                 run = lambda q, k, v, b, g: wy_chunk.chunk_wy(q, k, v, b, g, scale=D ** -0.5, initial_state=None,

@@ -112,6 +112,9 @@ class Config:
     # dtype of the saved chunk start states and end-state cotangents (STATE_STORAGES). "bf16" only where every
     # product that reads them rounds them to bf16 anyway ("staged" gradients, state_dots = grad_k_dots = "bf16").
     state_storage: str = "fp32"
+    # "staged" only: the sequential passes save u (forward) and dx (reverse), which they compute anyway, and
+    # gradient part 1 reads them instead of recomputing P, du and both products with T (it then reads no T).
+    grads_from_passes: bool = False
 
     def __post_init__(self):
         if self.inverse_storage not in INVERSE_STORAGES:
@@ -124,6 +127,8 @@ class Config:
                 self.grad_method == "staged" and self.state_dots == "bf16" and self.grad_k_dots == "bf16"):
             raise ValueError("state_storage='bf16' needs grad_method='staged' and state_dots = grad_k_dots = 'bf16' "
                              f"(got {self.grad_method!r}, {self.state_dots!r}, {self.grad_k_dots!r})")
+        if self.grads_from_passes and self.grad_method != "staged":
+            raise ValueError(f"grads_from_passes needs grad_method='staged', got {self.grad_method!r}")
 
 
 def _gates(g_ref, rows=slice(None)):
@@ -359,9 +364,11 @@ def _sequence_specs(cfg, Tp, K, BV):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, tail_ref, h0_ref,
-                    o_ref, final_ref, *states_ref, cfg: Config, nt: int):
+                    o_ref, final_ref, *saved_refs, cfg: Config, nt: int):
+    """saved_refs: none (forward only), or every chunk's start state, and with `cfg.grads_from_passes` u."""
     C = cfg.chunk_size
     K = q_ref.shape[-1]
+    states_ref = saved_refs[:1]
 
     def chunk(i, s):
         """s: the state block at the start of chunk i; returns the one at its end."""
@@ -378,12 +385,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_
             # other products of the passes do not (docs/kernels.md, "Which products need split").
             y = u - from_start[:, None] * _dot(k, s, mode=cfg.state_dots)
             u = _inverse_dot(t_ref, rows, beta_ref[rows][:, None] * y, cfg)
+            if len(saved_refs) == 2:
+                saved_refs[1][rows, :] = u
         # Diagonal scales go on the fp32 side of each dot so that q and k enter the tensor cores unrounded.
         o = cfg.scale * (from_start[:, None] * _dot(q, s, mode=cfg.dots) + _dot(p, u, mode=cfg.dots))
         o_ref[rows, :] = o.astype(o_ref.dtype)
         return survive * s + _dot(k, to_end[:, None] * u, ta=True, mode=cfg.dots)
 
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
+
+
+def _saves_u_dx(cfg):
+    """The passes save u and dx for the gradient kernels (delta rule, `cfg.grads_from_passes`)."""
+    return cfg.delta and cfg.grads_from_passes
 
 
 def _state_dtype(cfg):
@@ -401,6 +415,9 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
     if with_states:
         out_shape.append(jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg)))
         out_specs.append(pl.BlockSpec((None, None, nt * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)))
+        if _saves_u_dx(cfg):
+            out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
+            out_specs.append(sp["value"])
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
@@ -420,7 +437,7 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
 
 
 def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, tail_ref, do_ref, dfinal_ref,
-                    dh0_ref, dends_ref, *, cfg: Config, nt: int):
+                    dh0_ref, dends_ref, *dx_ref, cfg: Config, nt: int):
     C = cfg.chunk_size
     K = q_ref.shape[-1]
 
@@ -440,6 +457,8 @@ def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, ta
             du = (cfg.scale * _dot(p, do, ta=True, mode=cfg.grad_dots)
                   + to_end[:, None] * _dot(k, ds, mode=cfg.state_dots))
             dx = _inverse_dot(t_ref, rows, du, cfg, ta=True)  # dL/d(beta y) of eq. (4)
+            if dx_ref:
+                dx_ref[0][rows, :] = dx
             dks = -(beta_ref[rows] * from_start)[:, None] * dx  # dL/d(K S_0) of eq. (3)
             ds_start = ds_start + _dot(k, dks, ta=True, mode=cfg.grad_dots)
         return ds_start
@@ -453,14 +472,18 @@ def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal):
     BV = min(cfg.block_v, V)
     nt = Tp // cfg.chunk_size
     sp = _sequence_specs(cfg, Tp, K, BV)
+    out_specs = [sp["state"], pl.BlockSpec((None, None, nt * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j))]
+    out_shape = [jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))]
+    if _saves_u_dx(cfg):
+        out_specs.append(sp["value"])
+        out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
     return pl.pallas_call(
         functools.partial(_reverse_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
         in_specs=[sp["key"], sp["key"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], sp["seq"], sp["seq"],
                   sp["value"], sp["state"]],
-        out_specs=[sp["state"], pl.BlockSpec((None, None, nt * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j))],
-        out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32),
-                   jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_params(cfg.warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_reverse",
@@ -617,6 +640,25 @@ def _grad_v_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_r
     end_ref[...] = to_end * jnp.sum(u * kd, axis=1)  # e_i = dL/d log(token i's end factor)
 
 
+def _grad_v_saved_kernel(k_ref, v_ref, beta_ref, g_ref, carry_ref, tail_ref, s0_ref, dend_ref, do_ref, u_ref,
+                         dx_ref, dv_ref, dp_ref, end_ref, da_ref, dbeta_ref, dg_ref, *, cfg: Config):
+    """"staged", part 1 with `cfg.grads_from_passes` (delta rule): `_grad_v_kernel` with u and dx read from the
+    passes, which computed them from the fp32 state in registers. No P, du or product with T is formed here;
+    K S_0 and K dS_end remain (y, the dG and end sums)."""
+    mode = cfg.grad_dots
+    from_start, to_end, _ = _chunk_scalars(_gates(g_ref), carry_ref[...], tail_ref[...])
+    k, beta, u, dx = k_ref[...], beta_ref[...], u_ref[...], dx_ref[...]
+    ks = _dot(k, s0_ref[...], mode=cfg.state_dots)
+    kd = _dot(k, dend_ref[...], mode=cfg.state_dots)
+    y = v_ref[...].astype(F32) - from_start[:, None] * ks
+    dv_ref[...] = (beta[:, None] * dx).astype(dv_ref.dtype)
+    da_ref[...] = -_dot(dx, u, tb=True, mode=mode)  # dA = -T^T du (T beta y)^T
+    dbeta_ref[...] = jnp.sum(dx * y, axis=1)
+    dg_ref[...] = jnp.sum(-(beta * from_start)[:, None] * dx * ks, axis=1)  # through carry exp(G) in eq. (3)
+    dp_ref[...] = _dot(do_ref[...], u, tb=True, mode=mode)
+    end_ref[...] = to_end * jnp.sum(u * kd, axis=1)  # e_i = dL/d log(token i's end factor)
+
+
 def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tail_ref, s0_ref, dend_ref, do_ref,
                    dp_ref, end_ref, *refs, cfg: Config, nv: int):
     """"staged", part 2: one chunk and one K block of dq and dk, grid (K/BK, chunks, B*Hv).
@@ -688,9 +730,10 @@ def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tai
     dlog_ref[...] = _dlog(local, shared, end_ref[...], survive * survive_acc, first)
 
 
-def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do):
+def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=None):
     """dq, dk (per value head), dv, dbeta and d(log_decay) of every chunk, by `cfg.grad_method`. `t` is T as
-    `cfg.inverse_storage` says (fp32, or its bf16 pair from `_inverse(..., pair=True)`)."""
+    `cfg.inverse_storage` says (fp32, or its bf16 pair from `_inverse(..., pair=True)`; None when
+    `_saves_u_dx(cfg)`: then `saved` is (u, dx) from the passes)."""
     pair = cfg.inverse_storage == "split"
     B, Tp, H, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
@@ -743,19 +786,35 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do):
         out_specs += [v_block_spec, v_block_spec, cc_spec, block_vector_spec, block_vector_spec]
         out_shape += [fp32_value, fp32_value, cc_parts, block_vector(nv), block_vector(nv)]
     state_v_spec = pl.BlockSpec((None, None, K, BV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j))
-    part1 = pl.pallas_call(
-        functools.partial(_grad_v_kernel, cfg=cfg),
-        grid=(nv, Tp // C, B * Hv),
-        in_specs=[key_spec, key_spec, v_block_spec, gate_spec,
-                  inverse_spec(cfg, lambda j, i, bh: (bh // Hv, i, bh % Hv, 0), pair=pair) if cfg.delta
-                      else key_spec,
-                  gates_spec, seq_spec, seq_spec, seq_spec, state_v_spec, state_v_spec, v_block_spec],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_params(cfg.grad_warps, cfg.stages),
-        interpret=cfg.interpret,
-        name="wy_grads_v",
-    )(q, k, v, beta, t, g, doc, carry, tail, starts, dends, do)
+    if _saves_u_dx(cfg):
+        u, dx = saved
+        dv, dp_parts, end, da_parts, dbeta_parts, dg = pl.pallas_call(
+            functools.partial(_grad_v_saved_kernel, cfg=cfg),
+            grid=(nv, Tp // C, B * Hv),
+            in_specs=[key_spec, v_block_spec, gate_spec, gates_spec, seq_spec, seq_spec, state_v_spec, state_v_spec,
+                      v_block_spec, v_block_spec, v_block_spec],
+            out_specs=[v_block_spec, cc_spec, block_vector_spec, cc_spec, block_vector_spec, block_vector_spec],
+            out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), cc_parts, block_vector(nv), cc_parts,
+                       block_vector(nv), block_vector(nv)],
+            compiler_params=_params(cfg.grad_warps, cfg.stages),
+            interpret=cfg.interpret,
+            name="wy_grads_v",
+        )(k, v, beta, g, carry, tail, starts, dends, do, u, dx)
+        part1 = (dv, dp_parts, end, u, dx, da_parts, dbeta_parts, dg)
+    else:
+        part1 = pl.pallas_call(
+            functools.partial(_grad_v_kernel, cfg=cfg),
+            grid=(nv, Tp // C, B * Hv),
+            in_specs=[key_spec, key_spec, v_block_spec, gate_spec,
+                      inverse_spec(cfg, lambda j, i, bh: (bh // Hv, i, bh % Hv, 0), pair=pair) if cfg.delta
+                          else key_spec,
+                      gates_spec, seq_spec, seq_spec, seq_spec, state_v_spec, state_v_spec, v_block_spec],
+            out_specs=out_specs,
+            out_shape=out_shape,
+            compiler_params=_params(cfg.grad_warps, cfg.stages),
+            interpret=cfg.interpret,
+            name="wy_grads_v",
+        )(q, k, v, beta, t, g, doc, carry, tail, starts, dends, do)
     dv, dp_parts, end = part1[:3]
 
     # Part 2: grid (K/BK, chunks, B*Hv).
@@ -797,11 +856,13 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do):
 
 def _inverse_or_none(cfg, k, beta, g, doc, *, for_grads=False):
     """T for the sequential passes, and with `for_grads` also T as the gradient kernels read it (the same array
-    unless `cfg.inverse_storage` is "split")."""
+    unless `cfg.inverse_storage` is "split"; None where they read no T)."""
     if not cfg.delta:
         return (k, k) if for_grads else k  # linear attention never reads T (cfg.delta gates every use)
     if not for_grads:
         return _inverse(cfg, k, beta, g, doc)
+    if _saves_u_dx(cfg):
+        return _inverse(cfg, k, beta, g, doc), None
     if cfg.inverse_storage == "split":
         return _inverse(cfg, k, beta, g, doc, pair=True)
     t = _inverse(cfg, k, beta, g, doc)
@@ -835,16 +896,17 @@ def _wy(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
 def _wy_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     g = _gate_input(cfg, log_decay)
     t, t_grads = _inverse_or_none(cfg, k, beta, g, doc, for_grads=True)
-    o, final, starts = _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=True)
-    return (o, final), (q, k, v, beta, g, doc, carry, tail, t, t_grads, starts)
+    o, final, starts, *u = _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=True)
+    return (o, final), (q, k, v, beta, g, doc, carry, tail, t, t_grads, starts, u)
 
 
 def _wy_bwd(cfg, residuals, cotangents):
-    q, k, v, beta, g, doc, carry, tail, t, t_grads, starts = residuals
+    q, k, v, beta, g, doc, carry, tail, t, t_grads, starts, u = residuals
     do, dfinal = cotangents
     do = do.astype(v.dtype)
-    dh0, dends = _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32))
-    dq, dk, dv, dbeta, dlog = _grads(cfg, q, k, v, beta, t_grads, g, doc, carry, tail, starts, dends, do)
+    dh0, dends, *dx = _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32))
+    dq, dk, dv, dbeta, dlog = _grads(cfg, q, k, v, beta, t_grads, g, doc, carry, tail, starts, dends, do,
+                                     saved=(*u, *dx))
     B, Tp, H, K = q.shape
     G = cfg.value_heads // cfg.key_heads
     if G > 1:
@@ -892,6 +954,8 @@ STATE_DOTS = "bf16"
 # whenever every product reading them rounds them to bf16 (bfloat16 inputs).
 INVERSE_STORAGE = "split"
 STATE_STORAGE = "bf16"
+# Per gradient method: the passes save u and dx for the gradient kernels (`Config.grads_from_passes`).
+GRADS_FROM_PASSES = {"fused": False, "staged": True}
 
 
 def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gated=True):
@@ -913,18 +977,21 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
         grad_method=GRAD_METHOD, warps=4, grad_warps=4, grad_k_warps=grad_k_warps,
         inverse_warps=INVERSE_WARPS, inverse_method=FP32_INVERSE_METHOD if fp32 else INVERSE_METHOD, stages=2,
         interpret=interpret, inverse_storage=INVERSE_STORAGE if inverse_dots == "split" else "fp32",
-        state_storage=STATE_STORAGE if rounded_states else "fp32")
+        state_storage=STATE_STORAGE if rounded_states else "fp32", grads_from_passes=GRADS_FROM_PASSES[GRAD_METHOD])
 
 
 def replace_config(cfg, **changes):
     """`dataclasses.replace` for a variant of a config: the storages, unless `changes` names them, fall back to fp32
-    where the changed products no longer allow "split" T or bf16 states."""
+    where the changed products no longer allow "split" T or bf16 states, and `grads_from_passes` follows the
+    gradient method."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)} | changes
     if "inverse_storage" not in changes and fields["inverse_dots"] != "split":
         fields["inverse_storage"] = "fp32"
     rounded_states = fields["grad_method"] == "staged" and fields["state_dots"] == fields["grad_k_dots"] == "bf16"
     if "state_storage" not in changes and not rounded_states:
         fields["state_storage"] = "fp32"
+    if "grads_from_passes" not in changes:
+        fields["grads_from_passes"] = GRADS_FROM_PASSES.get(fields["grad_method"], False)
     return Config(**fields)
 
 

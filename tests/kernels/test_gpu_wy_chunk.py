@@ -38,12 +38,14 @@ GRAD_VARIANTS = {
     "fused": dict(grad_method="fused", grad_block_v=32, grad_block_k=256),
     "fused_k_blocks": dict(grad_method="fused", grad_block_v=16, grad_block_k=16),
     "staged": dict(grad_method="staged", grad_block_v=16, grad_block_k=16),
+    "staged_recompute": dict(grad_method="staged", grad_block_v=16, grad_block_k=16, grads_from_passes=False),
 }
 LOWERED_GRAD_VARIANTS = {
     "fused": GRAD_VARIANTS["fused"],
     "fused_k_blocks": dict(grad_method="fused", grad_block_v=32, grad_block_k=64),
     "staged": dict(grad_method="staged", grad_block_v=64, grad_block_k=64),
     "staged_v32_k128": dict(grad_method="staged", grad_block_v=32, grad_block_k=128),
+    "staged_recompute": dict(grad_method="staged", grad_block_v=64, grad_block_k=64, grads_from_passes=False),
 }
 
 

@@ -1,5 +1,7 @@
 """Host-side timing of jitted functions, shared by the benchmark scripts: `warmup` calls (the first compiles), then
-`iters` calls, each waited for with `block_until_ready`; wall milliseconds per call."""
+`iters` calls, each waited for with `block_until_ready`; wall milliseconds per call (`median_ms`). Or
+`pipelined_ms`: calls queued back to back and waited for once, so that the host's dispatch and wait overlap the
+device's work (what a training step sees): the device time per call, median over repeats."""
 
 from __future__ import annotations
 
@@ -22,3 +24,17 @@ def times_ms(fn, *args, iters, warmup=2):
 
 def median_ms(fn, *args, iters, warmup=2):
     return statistics.median(times_ms(fn, *args, iters=iters, warmup=warmup))
+
+
+def pipelined_ms(fn, *args, iters, warmup=2, repeats=5):
+    """Median over `repeats` of the wall time of `iters` calls queued without waiting in between, per call."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    per_call = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = [fn(*args) for _ in range(iters)]
+        jax.block_until_ready(outs)
+        per_call.append((time.perf_counter() - start) * 1e3 / iters)
+        del outs
+    return statistics.median(per_call)

@@ -16,11 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from deltajax.kernels.gpu import wy_chunk
-from _timing import median_ms  # experiments/
+import _timing  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = V = D, Hv = H).")
 flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
+flags.DEFINE_bool("pipelined", True, "Time calls queued back to back (device time per call, `_timing.pipelined_ms`); "
+                  "False: each call waited for (`_timing.median_ms`, host latency included).")
 flags.DEFINE_integer("iters", 20, "Timed runs (median reported).")
 flags.DEFINE_bool("per_kernel", True, "Also time each kernel alone.")
 flags.DEFINE_bool("grads_only", False, "Time only the gradient kernel(s) (`_grads`, its XLA sums included); the "
@@ -37,6 +39,10 @@ VARIANTS = {
     "inverse_fp32": dict(inverse_storage="fp32"),
     "states_fp32": dict(state_storage="fp32"),
     "recompute_u_dx": dict(grads_from_passes=False),
+    "merged": dict(grad_method="merged", grad_block_v=32, grad_block_k=128, grad_k_warps=8),
+    "merged_warps4": dict(grad_method="merged", grad_block_v=32, grad_block_k=128, grad_k_warps=4),
+    "merged_bv64": dict(grad_method="merged", grad_block_v=64, grad_block_k=128, grad_k_warps=8),
+    "merged_bv16": dict(grad_method="merged", grad_block_v=16, grad_block_k=128, grad_k_warps=8),
     "all_bf16": dict(dots="bf16", state_dots="bf16", inverse_dots="bf16", grad_dots="bf16",
                      grad_k_dots="bf16"),
     "all_tf32": dict(dots="tf32", state_dots="tf32", inverse_dots="tf32", grad_dots="tf32",
@@ -139,6 +145,10 @@ def variant_errors(cfg):
         f32(q), f32(k), f32(v), beta, log_decay)
     rel = lambda x, r: float(np.linalg.norm(np.float64(x) - np.float64(r)) / np.linalg.norm(np.float64(r)))
     return ", ".join(f"{rel(x, r):.1e}" for x, r in zip((o,) + grads, (o_ref,) + grads_ref))
+
+
+def median_ms(fn, *args, iters):
+    return (_timing.pipelined_ms if FLAGS.pipelined else _timing.median_ms)(fn, *args, iters=iters)
 
 
 def _grads(cfg, *args):

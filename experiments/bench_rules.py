@@ -2,8 +2,11 @@
 
     python experiments/bench_rules.py --rule=gated_deltanet --sizes=2x512x4x64 --impls=scan,chunk,chunk_assoc
 
-Each size is BxTxHxD (K = V = D, as many value heads as key heads). Times are medians over --iters runs after
---warmup runs, taken with block_until_ready. The memory floor counts reading q, k, v, beta and the log-decay once
+Each size is BxTxHxD (K = V = D, as many value heads as key heads). Times are device time per call: --iters calls
+queued back to back and waited for once, median of 5 such repeats, after --warmup runs (`_timing.pipelined_ms`;
+what a training step sees, and what `triton.testing.do_bench` reports for the PyTorch/Triton peer). With
+--pipelined=false: the median of --iters calls each waited for with block_until_ready (adds the host's dispatch
+and wait, 0.1-0.4 ms per call on the H100). The memory floor counts reading q, k, v, beta and the log-decay once
 and writing o and the final state once, over --bandwidth_gbs. Forward+backward differentiates a sum of squares of o
 with respect to every floating input (q, k, v, beta, log-decay). "vs chunk" is the XLA chunk form's time over this
 row's (forward / forward+backward), when chunk is among --impls. --peak_memory adds the device's peak bytes in use
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 
 import deltajax
 from deltajax.rules import dispatch
-from _timing import median_ms  # experiments/
+import _timing  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("rule", "gated_deltanet", ["linear_attention", "deltanet", "gated_deltanet", "kda"],
@@ -33,7 +36,8 @@ flags.DEFINE_list("impls", ["scan", "chunk", "chunk_assoc"],
                   "registered kernel name (e.g. pallas).")
 flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16", "float16"], "Input dtype.")
 flags.DEFINE_integer("warmup", 2, "Untimed runs before timing.")
-flags.DEFINE_integer("iters", 10, "Timed runs (the median is reported).")
+flags.DEFINE_integer("iters", 10, "Timed runs (per repeat with --pipelined; the median is reported).")
+flags.DEFINE_bool("pipelined", True, "Device time per call (calls queued back to back); False: each call waited for.")
 flags.DEFINE_bool("backward", True, "Also time forward+backward.")
 flags.DEFINE_float("bandwidth_gbs", 2500.0, "Memory bandwidth for the floor (H100 measured: about 2500 GB/s).")
 flags.DEFINE_enum("chunk_inverse", "solve", ["blocked", "solve"],
@@ -42,6 +46,10 @@ flags.DEFINE_enum("chunk_precision", "auto", ["auto", "highest"],
                   "Matmul precision of the chunk form: by input dtype (auto) or IEEE fp32 always (highest).")
 flags.DEFINE_integer("max_scan_tokens", 1 << 16, "Skip the scan above this many B*T tokens (it is slow).")
 flags.DEFINE_bool("peak_memory", False, "Print the device's peak memory in use after each row.")
+
+
+def median_ms(fn, *args, iters, warmup):
+    return (_timing.pipelined_ms if FLAGS.pipelined else _timing.median_ms)(fn, *args, iters=iters, warmup=warmup)
 
 
 def make_inputs(rule, B, T, H, D, dtype, seed=0):
@@ -91,7 +99,8 @@ def main(argv):
     if FLAGS.chunk_precision == "highest":
         chunk_form.matmul_precision = lambda dtype: jax.lax.Precision.HIGHEST
     device = jax.devices()[0]
-    print(f"# chunk form: inverse={FLAGS.chunk_inverse}, precision={FLAGS.chunk_precision}")
+    print(f"# chunk form: inverse={FLAGS.chunk_inverse}, precision={FLAGS.chunk_precision}; timing: "
+          + ("device time per call (calls queued back to back)" if FLAGS.pipelined else "each call waited for"))
     print(f"# {FLAGS.rule}, {dtype.name}, {device.platform}: {device.device_kind}, jax {jax.__version__}")
     print("| impl | BxTxHxD | fwd ms | fwd+bwd ms | fwd GB/s | floor / fwd | vs chunk (fwd / fwd+bwd) |"
           + (" peak GiB |" if FLAGS.peak_memory else ""))

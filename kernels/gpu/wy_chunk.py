@@ -70,9 +70,10 @@ SUB = 16  # side of the diagonal blocks inverted by forward substitution
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 HIGHEST = lax.Precision.HIGHEST
-GRAD_METHODS = ("fused", "staged")
+GRAD_METHODS = ("fused", "staged", "merged")
 INVERSE_METHODS = ("blocks16", "batched16")
 INVERSE_STORAGES = ("fp32", "split")
+ROUNDING_GRAD_METHODS = ("staged", "merged")  # whose state products take `grad_k_dots` (bf16 states possible)
 STATE_STORAGES = ("fp32", "bf16")
 
 
@@ -95,10 +96,11 @@ class Config:
     block_v: int  # BV of the sequential passes
     grad_block_v: int  # BV of the gradient kernels (the loop of "fused", both kernels of "staged")
     grad_block_k: int  # BK of dq and dk (a grid axis of the gradient kernel that writes them; K: whole rows)
-    grad_method: str  # GRAD_METHODS: "fused" (one kernel) or "staged" (a V-block kernel, then a K-block kernel)
+    grad_method: str  # GRAD_METHODS: "fused" (one kernel), "staged" (a V-block kernel, then a K-block kernel) or
+    # "merged" (staged's two in one, reading u and dx from the passes; linear attention: "staged")
     warps: int  # sequential passes
     grad_warps: int  # gradient kernel ("fused"), the V-block kernel ("staged")
-    grad_k_warps: int  # the K-block kernel ("staged")
+    grad_k_warps: int  # the K-block kernel ("staged"), the kernel of "merged"
     inverse_warps: int  # inverse kernel
     inverse_method: str  # INVERSE_METHODS: how `_inverse_kernel` forms T (see there)
     stages: int
@@ -112,8 +114,9 @@ class Config:
     # dtype of the saved chunk start states and end-state cotangents (STATE_STORAGES). "bf16" only where every
     # product that reads them rounds them to bf16 anyway ("staged" gradients, state_dots = grad_k_dots = "bf16").
     state_storage: str = "fp32"
-    # "staged" only: the sequential passes save u (forward) and dx (reverse), which they compute anyway, and
-    # gradient part 1 reads them instead of recomputing P, du and both products with T (it then reads no T).
+    # The sequential passes save u (forward) and dx (reverse), which they compute anyway, and the gradient
+    # kernels read them instead of recomputing P, du and both products with T (then no gradient kernel reads T).
+    # "staged": either; "merged": always; "fused": never.
     grads_from_passes: bool = False
 
     def __post_init__(self):
@@ -124,11 +127,13 @@ class Config:
         if self.state_storage not in STATE_STORAGES:
             raise ValueError(f"state_storage must be one of {STATE_STORAGES}, got {self.state_storage!r}")
         if self.state_storage == "bf16" and not (
-                self.grad_method == "staged" and self.state_dots == "bf16" and self.grad_k_dots == "bf16"):
-            raise ValueError("state_storage='bf16' needs grad_method='staged' and state_dots = grad_k_dots = 'bf16' "
-                             f"(got {self.grad_method!r}, {self.state_dots!r}, {self.grad_k_dots!r})")
-        if self.grads_from_passes and self.grad_method != "staged":
-            raise ValueError(f"grads_from_passes needs grad_method='staged', got {self.grad_method!r}")
+                self.grad_method in ROUNDING_GRAD_METHODS and self.state_dots == "bf16" and self.grad_k_dots == "bf16"):
+            raise ValueError(f"state_storage='bf16' needs grad_method in {ROUNDING_GRAD_METHODS} and state_dots = "
+                             f"grad_k_dots = 'bf16' (got {self.grad_method!r}, {self.state_dots!r}, "
+                             f"{self.grad_k_dots!r})")
+        if self.grads_from_passes != (self.grad_method == "merged") and self.grad_method != "staged":
+            raise ValueError(f"grads_from_passes={self.grads_from_passes} does not go with grad_method="
+                             f"{self.grad_method!r} ('merged' needs it, 'fused' cannot use it)")
 
 
 def _gates(g_ref, rows=slice(None)):
@@ -677,7 +682,6 @@ def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tai
     BK = dq_ref.shape[-1]
     first = pl.program_id(0) == 0
     kcols = pl.ds(pl.multiple_of(pl.program_id(0) * BK, BK), BK)
-    mode = cfg.grad_dots
     # The products with S_0, dS_end and dA come after every product with T, whose entries grow large for
     # correlated keys with beta near 2: rounding their operands to bf16 is not amplified by T (errors of the
     # choices: docs/kernels.md). The dO u^T partials (dp) are not among them: with bf16 operands dq failed.
@@ -702,9 +706,25 @@ def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tai
     dq_acc, dk_acc, survive_acc = lax.fori_loop(0, V // BV, v_block, acc)
 
     parts = lambda ref: functools.reduce(lambda a, b: a + b, [ref[:, pl.ds(j * C, C)] for j in range(nv)])
+    sums = dict(dp=parts(dp_ref), end=end_ref[...], survive=survive * survive_acc)
+    if cfg.delta:
+        sums.update(da=parts(da_ref), dbeta=dbeta_part_ref[...], dg=dg_ref[...])
+    _pair_terms(cfg, q_ref, k_ref, g, doc_ref[...], beta, from_start, dq_acc, dk_acc, sums, first, kcols,
+                dq_ref, dk_ref, dbeta_ref if cfg.delta else None, dlog_ref)
+
+
+def _pair_terms(cfg, q_ref, k_ref, g, doc, beta, from_start, dq_acc, dk_acc, sums, first, kcols, dq_ref, dk_ref,
+                dbeta_ref, dlog_ref):
+    """The end of the gradient kernels that write dq and dk: the C x C terms, from the V-contractions summed over
+    every V block. `dq_acc`, `dk_acc`: dO S_0^T and dks S_0^T + (e u) dS_end^T (C x BK); `sums`: dp (dO u^T),
+    end and survive (the end-factor and state-survival terms of d(log_decay)), and for the delta rule da (dx u^T),
+    dbeta and dg (the per-token dbeta and dG terms of the V contractions). K block `kcols`; `first` (traced) says
+    whether it is block 0 of several, None when it is all of K."""
+    C = cfg.chunk_size
+    BK = dq_ref.shape[-1]
+    mode, late = cfg.grad_dots, cfg.grad_k_dots
     q, k = q_ref[...], k_ref[...]
     q_k, k_k = (q, k) if BK == q.shape[-1] else (q_ref[:, kcols], k_ref[:, kcols])
-    doc = doc_ref[...]
     mask = _chunk_mask(doc, C, strict=False, segmented=cfg.segmented)
     strict = _chunk_mask(doc, C, strict=True, segmented=cfg.segmented)
     decay = _pair_decay(g, g, mask)
@@ -712,7 +732,7 @@ def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tai
     # kernel spilled registers with dq held to the end).
     dq_state = cfg.scale * from_start[:, None] * dq_acc
     local = jnp.sum(dq_state * q_k.astype(F32), axis=1)
-    dp = cfg.scale * parts(dp_ref) * decay  # dL/d(Q K^T) of eq. (5)
+    dp = cfg.scale * sums["dp"] * decay  # dL/d(Q K^T) of eq. (5)
     dq_ref[...] = (dq_state + _dot(dp, k_k, mode=mode)).astype(dq_ref.dtype)
     dk = dk_acc + _dot(dp, q_k, ta=True, mode=mode)
     z = jnp.where(strict, dp * _dot(q, k, tb=True, mode=mode), 0.0)
@@ -720,14 +740,57 @@ def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tai
     if cfg.delta:
         decay_strict = jnp.where(strict, decay, 0.0)
         kk = _dot(k, k, tb=True, mode=mode)
-        da = jnp.where(strict, parts(da_ref), 0.0)
-        dbeta_ref[...] = jnp.where(first, dbeta_part_ref[...] + jnp.sum(da * kk * decay_strict, axis=1), 0.0)
+        da = jnp.where(strict, sums["da"], 0.0)
+        dbeta = sums["dbeta"] + jnp.sum(da * kk * decay_strict, axis=1)
+        dbeta_ref[...] = dbeta if first is None else jnp.where(first, dbeta, 0.0)
         da_k = da * decay_strict * beta[:, None]  # dL/d(k_t . k_s)
         za = da_k * kk  # dA (.) A
-        shared = dg_ref[...] + shared + jnp.sum(za, axis=1) - jnp.sum(za, axis=0)
+        shared = sums["dg"] + shared + jnp.sum(za, axis=1) - jnp.sum(za, axis=0)
         dk = dk + _dot(da_k, k_k, mode=late) + _dot(da_k, k_k, ta=True, mode=late)
     dk_ref[...] = dk.astype(dk_ref.dtype)
-    dlog_ref[...] = _dlog(local, shared, end_ref[...], survive * survive_acc, first)
+    dlog_ref[...] = _dlog(local, shared, sums["end"], sums["survive"], first)
+
+
+def _grad_merged_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, doc_ref, carry_ref, tail_ref, s0_ref, dend_ref,
+                        do_ref, u_ref, dx_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dlog_ref, *, cfg: Config):
+    """"merged" (delta rule): the two kernels of "staged" with u and dx from the passes, as one, grid (1, chunks,
+    B*Hv). One loop over V blocks does part 1's V-block terms and part 2's state terms, accumulating the C x C
+    products dO u^T and dx u^T in registers (no partials through memory); then `_pair_terms`. dq and dk are whole
+    rows (BK = K)."""
+    C = cfg.chunk_size
+    K, V = k_ref.shape[-1], do_ref.shape[-1]
+    BV = min(cfg.grad_block_v, V)
+    mode, late = cfg.grad_dots, cfg.grad_k_dots
+    g = _gates(g_ref)
+    from_start, to_end, survive = _chunk_scalars(g, carry_ref[...], tail_ref[...])
+    beta = beta_ref[...]
+    k = k_ref[...]
+
+    def v_block(j, acc):
+        dq_acc, dk_acc, dp_acc, da_acc, dbeta_acc, dg_acc, end_acc, survive_acc = acc
+        cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
+        s0, dend, do, u, dx = s0_ref[:, cols], dend_ref[:, cols], do_ref[:, cols], u_ref[:, cols], dx_ref[:, cols]
+        ks = _dot(k, s0, mode=cfg.state_dots)
+        kd = _dot(k, dend, mode=cfg.state_dots)
+        y = v_ref[:, cols].astype(F32) - from_start[:, None] * ks
+        dv_ref[:, cols] = (beta[:, None] * dx).astype(dv_ref.dtype)
+        dks = -(beta * from_start)[:, None] * dx
+        dp_acc = dp_acc + _dot(do, u, tb=True, mode=mode)
+        da_acc = da_acc - _dot(dx, u, tb=True, mode=mode)  # dA = -T^T du (T beta y)^T
+        dbeta_acc = dbeta_acc + jnp.sum(dx * y, axis=1)
+        dg_acc = dg_acc + jnp.sum(dks * ks, axis=1)  # through carry exp(G) in eq. (3)
+        end_acc = end_acc + to_end * jnp.sum(u * kd, axis=1)  # e_i = dL/d log(token i's end factor)
+        dk_acc = dk_acc + _dot(dks, s0, tb=True, mode=late) + _dot(to_end[:, None] * u, dend, tb=True, mode=late)
+        dq_acc = dq_acc + _dot(do, s0, tb=True, mode=late)
+        survive_acc = survive_acc + jnp.sum(s0.astype(F32) * dend.astype(F32))
+        return dq_acc, dk_acc, dp_acc, da_acc, dbeta_acc, dg_acc, end_acc, survive_acc
+
+    zeros = lambda *shape: jnp.zeros(shape, F32)
+    acc = (zeros(C, K), zeros(C, K), zeros(C, C), zeros(C, C), zeros(C), zeros(C), zeros(C), jnp.float32(0.0))
+    dq_acc, dk_acc, dp, da, dbeta, dg, end, survive_acc = lax.fori_loop(0, V // BV, v_block, acc)
+    sums = dict(dp=dp, da=da, dbeta=dbeta, dg=dg, end=end, survive=survive * survive_acc)
+    _pair_terms(cfg, q_ref, k_ref, g, doc_ref[...], beta, from_start, dq_acc, dk_acc, sums, None, slice(None),
+                dq_ref, dk_ref, dbeta_ref, dlog_ref)
 
 
 def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=None):
@@ -775,7 +838,27 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=
         )(q, k, v, beta, t, g, doc, carry, tail, starts, dends, do)
         return dq, dk, dv, total(dbeta), total(dlog)
 
-    # "staged", part 1: grid (V/BV, chunks, B*Hv).
+    if cfg.grad_method == "merged" and cfg.delta:
+        if BK != K:
+            raise ValueError(f"grad_method='merged' writes whole rows of dq and dk: grad_block_k must be K = {K}, "
+                             f"got {cfg.grad_block_k}")
+        value_spec = pl.BlockSpec((None, C, None, V), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
+        state_spec = pl.BlockSpec((None, None, K, V), lambda j, i, bh: (bh // Hv, bh % Hv, i, 0))
+        dq, dk, dv, dbeta, dlog = pl.pallas_call(
+            functools.partial(_grad_merged_kernel, cfg=cfg),
+            grid=(1, Tp // C, B * Hv),
+            in_specs=[key_spec, key_spec, value_spec, gate_spec, gates_spec, seq_spec, seq_spec, seq_spec, state_spec,
+                      state_spec, value_spec, value_spec, value_spec],
+            out_specs=[k_block_spec, k_block_spec, value_spec, block_vector_spec, block_vector_spec],
+            out_shape=[qk_grad, qk_grad, jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), block_vector(1),
+                       block_vector(1)],
+            compiler_params=_params(cfg.grad_k_warps, cfg.stages),
+            interpret=cfg.interpret,
+            name="wy_grads_merged",
+        )(q, k, v, beta, g, doc, carry, tail, starts, dends, do, *saved)
+        return dq, dk, dv, dbeta[0], dlog[0]
+
+    # "staged" (and "merged" for linear attention), part 1: grid (V/BV, chunks, B*Hv).
     v_block_spec = pl.BlockSpec((None, C, None, BV), lambda j, i, bh: (bh // Hv, i, bh % Hv, j))
     cc_spec = pl.BlockSpec((None, C, None, C), lambda j, i, bh: (bh // Hv, i, bh % Hv, j))  # V block j's C x C
     cc_parts = jax.ShapeDtypeStruct((B, Tp, Hv, nv * C), F32)
@@ -926,9 +1009,13 @@ _wy.defvjp(_wy_fwd, _wy_bwd)
 
 BLOCK_V = 32  # the widest V block of the sequential passes (`common.sequential_block_v` narrows it)
 # Gradient kernels per method: V block, K block of dq and dk (None: whole rows), warps of the K-block kernel. On the
-# H100 (docs/kernels.md) "staged" took 2.7 ms where "fused" took 3.7 ms at 8x2048x16x128, same errors.
-GRAD_METHOD = "staged"
-GRAD_BLOCKS = {"fused": (32, None, 4), "staged": (64, 128, 8)}
+# H100 (docs/kernels.md) "staged" took 2.7 ms where "fused" took 3.7 ms at 8x2048x16x128, same errors; "merged"
+# (with u and dx from the passes) 1.37-1.38 ms where "staged" took 1.43 from the passes and 1.49 recomputing them
+# (2026-11-24, device time per call). "merged" holds dq and dk whole (C x K fp32): for K above MERGED_MAX_K
+# (not measured) "staged" with K blocks is used.
+GRAD_METHOD = "merged"
+MERGED_MAX_K = 128
+GRAD_BLOCKS = {"fused": (32, None, 4), "staged": (64, 128, 8), "merged": (32, None, 8)}
 # Inverse kernel alone on the H100, 8x2048x16x128 bf16 (docs/kernels.md): "blocks16" 0.61 ms at 4 warps, 0.25 at 1;
 # "batched16" 0.26-0.28 at 1-2 warps, the same within the run-to-run spread. The warps were the gain.
 INVERSE_METHOD = "blocks16"
@@ -955,7 +1042,11 @@ STATE_DOTS = "bf16"
 INVERSE_STORAGE = "split"
 STATE_STORAGE = "bf16"
 # Per gradient method: the passes save u and dx for the gradient kernels (`Config.grads_from_passes`).
-GRADS_FROM_PASSES = {"fused": False, "staged": True}
+GRADS_FROM_PASSES = {"fused": False, "staged": True, "merged": True}
+
+
+def default_grad_method(key_dim):
+    return "staged" if GRAD_METHOD == "merged" and key_dim > MERGED_MAX_K else GRAD_METHOD
 
 
 def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gated=True):
@@ -965,19 +1056,20 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
     # "bf16" would round float16 q/k themselves (3 more mantissa bits than bf16): "split" keeps them exact.
     fp16 = jnp.dtype(q.dtype) == jnp.float16
     tolerant = lambda chosen: mode("split" if fp16 and chosen == "bf16" else chosen)
-    grad_bv, grad_bk, grad_k_warps = GRAD_BLOCKS[GRAD_METHOD]
+    grad_method = default_grad_method(K)
+    grad_bv, grad_bk, grad_k_warps = GRAD_BLOCKS[grad_method]
     inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), tolerant(STATE_DOTS), tolerant(GRAD_K_DOTS)
-    rounded_states = GRAD_METHOD == "staged" and state_dots == grad_k_dots == "bf16"
+    rounded_states = grad_method in ROUNDING_GRAD_METHODS and state_dots == grad_k_dots == "bf16"
     return Config(
         scale=float(scale), chunk_size=chunk_size, key_heads=q.shape[2], value_heads=v.shape[2], delta=delta,
         segmented=segmented, gated=gated, dots=mode(DOTS), state_dots=state_dots,
         inverse_dots=inverse_dots, grad_dots=mode(GRAD_DOTS), grad_k_dots=grad_k_dots,
         block_v=sequential_block_v(q.shape[0] * v.shape[2], V, BLOCK_V), grad_block_v=min(grad_bv, V),
         grad_block_k=min(grad_bk or K, K),
-        grad_method=GRAD_METHOD, warps=4, grad_warps=4, grad_k_warps=grad_k_warps,
+        grad_method=grad_method, warps=4, grad_warps=4, grad_k_warps=grad_k_warps,
         inverse_warps=INVERSE_WARPS, inverse_method=FP32_INVERSE_METHOD if fp32 else INVERSE_METHOD, stages=2,
         interpret=interpret, inverse_storage=INVERSE_STORAGE if inverse_dots == "split" else "fp32",
-        state_storage=STATE_STORAGE if rounded_states else "fp32", grads_from_passes=GRADS_FROM_PASSES[GRAD_METHOD])
+        state_storage=STATE_STORAGE if rounded_states else "fp32", grads_from_passes=GRADS_FROM_PASSES[grad_method])
 
 
 def replace_config(cfg, **changes):
@@ -987,7 +1079,8 @@ def replace_config(cfg, **changes):
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)} | changes
     if "inverse_storage" not in changes and fields["inverse_dots"] != "split":
         fields["inverse_storage"] = "fp32"
-    rounded_states = fields["grad_method"] == "staged" and fields["state_dots"] == fields["grad_k_dots"] == "bf16"
+    rounded_states = (fields["grad_method"] in ROUNDING_GRAD_METHODS
+                      and fields["state_dots"] == fields["grad_k_dots"] == "bf16")
     if "state_storage" not in changes and not rounded_states:
         fields["state_storage"] = "fp32"
     if "grads_from_passes" not in changes:

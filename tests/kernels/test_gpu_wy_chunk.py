@@ -39,6 +39,7 @@ GRAD_VARIANTS = {
     "fused_k_blocks": dict(grad_method="fused", grad_block_v=16, grad_block_k=16),
     "staged": dict(grad_method="staged", grad_block_v=16, grad_block_k=16),
     "staged_recompute": dict(grad_method="staged", grad_block_v=16, grad_block_k=16, grads_from_passes=False),
+    "merged": dict(grad_method="merged", grad_block_v=16, grad_block_k=256),
 }
 LOWERED_GRAD_VARIANTS = {
     "fused": GRAD_VARIANTS["fused"],
@@ -46,6 +47,7 @@ LOWERED_GRAD_VARIANTS = {
     "staged": dict(grad_method="staged", grad_block_v=64, grad_block_k=64),
     "staged_v32_k128": dict(grad_method="staged", grad_block_v=32, grad_block_k=128),
     "staged_recompute": dict(grad_method="staged", grad_block_v=64, grad_block_k=64, grads_from_passes=False),
+    "merged": dict(grad_method="merged", grad_block_v=32, grad_block_k=256),
 }
 
 
@@ -396,15 +398,19 @@ def test_inverse_lowers_for_cuda(method):
 
 
 def _kernel_count(op, grad_method):
-    """(inverse,) forward pass, reverse pass, gradients (one kernel, or two when staged)."""
-    return (4 if op == "delta_rule" else 3) + (grad_method == "staged")
+    """(inverse,) forward pass, reverse pass, gradients (one kernel, or two when staged; linear attention takes
+    "staged" for "merged")."""
+    if op == "delta_rule":
+        return 4 + (grad_method == "staged")
+    return 3 + (grad_method in ("staged", "merged"))
 
 
 @pytest.mark.parametrize("op", dispatch.OPS)
 def test_lowers_for_cuda_every_supported_config(op):
-    kernels = _kernel_count(op, wy_chunk.GRAD_METHOD)
     for K, V, dtype in itertools.product(pallas_gpu.HEAD_DIMS, pallas_gpu.HEAD_DIMS, pallas_gpu.LOWERED_DTYPES):
+        kernels = _kernel_count(op, wy_chunk.default_grad_method(K))
         assert _lower_for_cuda(op, K, V, jnp.dtype(dtype)) == kernels, (K, V, dtype)
+    kernels = _kernel_count(op, wy_chunk.default_grad_method(128))
     for segmented, init, decay in itertools.product((False, True), repeat=3):
         assert _lower_for_cuda(op, 128, 128, jnp.bfloat16, T=64, segmented=segmented, init=init,
                                decay=decay) == kernels

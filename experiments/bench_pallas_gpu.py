@@ -38,11 +38,15 @@ VARIANTS = {
     "storage_fp32": dict(inverse_storage="fp32", state_storage="fp32"),
     "inverse_fp32": dict(inverse_storage="fp32"),
     "states_fp32": dict(state_storage="fp32"),
-    "recompute_u_dx": dict(grads_from_passes=False),
-    "merged": dict(grad_method="merged", grad_block_v=32, grad_block_k=128, grad_k_warps=8),
-    "merged_warps4": dict(grad_method="merged", grad_block_v=32, grad_block_k=128, grad_k_warps=4),
-    "merged_bv64": dict(grad_method="merged", grad_block_v=64, grad_block_k=128, grad_k_warps=8),
-    "merged_bv16": dict(grad_method="merged", grad_block_v=16, grad_block_k=128, grad_k_warps=8),
+    "recompute_u_dx": dict(grad_method="staged", grad_block_v=64, grad_block_k=128, grad_k_warps=8,
+                           grads_from_passes=False),
+    "staged": dict(grad_method="staged", grad_block_v=64, grad_block_k=128, grad_k_warps=8),
+    "merged": dict(grad_method="merged", grad_block_v=32, grad_block_k=128, grad_k_warps=4),
+    "merged_warps8": dict(grad_method="merged", grad_block_v=32, grad_block_k=128, grad_k_warps=8),
+    "merged_bv64": dict(grad_method="merged", grad_block_v=64, grad_block_k=128, grad_k_warps=4),
+    "merged_bv64_warps8": dict(grad_method="merged", grad_block_v=64, grad_block_k=128, grad_k_warps=8),
+    "merged_bv16": dict(grad_method="merged", grad_block_v=16, grad_block_k=128, grad_k_warps=4),
+    "merged_warps2": dict(grad_method="merged", grad_block_v=32, grad_block_k=128, grad_k_warps=2),
     "all_bf16": dict(dots="bf16", state_dots="bf16", inverse_dots="bf16", grad_dots="bf16",
                      grad_k_dots="bf16"),
     "all_tf32": dict(dots="tf32", state_dots="tf32", inverse_dots="tf32", grad_dots="tf32",
@@ -181,8 +185,8 @@ def main(argv):
         for name in FLAGS.variants:
             cfg = wy_chunk.default_config(q, v, scale=D ** -0.5, chunk_size=64, delta=True, segmented=False,
                                           interpret=FLAGS.interpret)
-            cfg = wy_chunk.replace_config(cfg, **VARIANTS[name])
             try:
+                cfg = wy_chunk.replace_config(cfg, **VARIANTS[name])
                 cells = []
                 if FLAGS.per_kernel:
                     C = cfg.chunk_size

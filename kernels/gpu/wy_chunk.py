@@ -713,84 +713,113 @@ def _grad_k_kernel(q_ref, k_ref, u_ref, beta_ref, g_ref, doc_ref, carry_ref, tai
                 dq_ref, dk_ref, dbeta_ref if cfg.delta else None, dlog_ref)
 
 
-def _pair_terms(cfg, q_ref, k_ref, g, doc, beta, from_start, dq_acc, dk_acc, sums, first, kcols, dq_ref, dk_ref,
-                dbeta_ref, dlog_ref):
-    """The end of the gradient kernels that write dq and dk: the C x C terms, from the V-contractions summed over
-    every V block. `dq_acc`, `dk_acc`: dO S_0^T and dks S_0^T + (e u) dS_end^T (C x BK); `sums`: dp (dO u^T),
-    end and survive (the end-factor and state-survival terms of d(log_decay)), and for the delta rule da (dx u^T),
-    dbeta and dg (the per-token dbeta and dG terms of the V contractions). K block `kcols`; `first` (traced) says
-    whether it is block 0 of several, None when it is all of K."""
+def _pair_products(cfg, q, k, g, doc, beta, sums):
+    """The C x C gradients of one chunk from the V-contractions summed over every V block (`sums`: dp = dO u^T,
+    and for the delta rule da = dx u^T, dbeta and dg, the per-token terms of the V loop): dp = dL/d(Q K^T) with its
+    decay, da_k = dL/d(k_t . k_s) (delta rule, else None), the K-independent terms of dL/dG and dbeta (or None)."""
     C = cfg.chunk_size
-    BK = dq_ref.shape[-1]
-    mode, late = cfg.grad_dots, cfg.grad_k_dots
-    q, k = q_ref[...], k_ref[...]
-    q_k, k_k = (q, k) if BK == q.shape[-1] else (q_ref[:, kcols], k_ref[:, kcols])
+    mode = cfg.grad_dots
     mask = _chunk_mask(doc, C, strict=False, segmented=cfg.segmented)
     strict = _chunk_mask(doc, C, strict=True, segmented=cfg.segmented)
     decay = _pair_decay(g, g, mask)
-    # dq is finished and written before any C x C term of dk is formed: fewer C x BK fp32 tiles live at once (this
-    # kernel spilled registers with dq held to the end).
-    dq_state = cfg.scale * from_start[:, None] * dq_acc
-    local = jnp.sum(dq_state * q_k.astype(F32), axis=1)
     dp = cfg.scale * sums["dp"] * decay  # dL/d(Q K^T) of eq. (5)
-    dq_ref[...] = (dq_state + _dot(dp, k_k, mode=mode)).astype(dq_ref.dtype)
-    dk = dk_acc + _dot(dp, q_k, ta=True, mode=mode)
     z = jnp.where(strict, dp * _dot(q, k, tb=True, mode=mode), 0.0)
     shared = jnp.sum(z, axis=1) - jnp.sum(z, axis=0)  # the K-independent terms of dL/dG
-    if cfg.delta:
-        decay_strict = jnp.where(strict, decay, 0.0)
-        kk = _dot(k, k, tb=True, mode=mode)
-        da = jnp.where(strict, sums["da"], 0.0)
-        dbeta = sums["dbeta"] + jnp.sum(da * kk * decay_strict, axis=1)
+    if not cfg.delta:
+        return dp, None, shared, None
+    decay_strict = jnp.where(strict, decay, 0.0)
+    kk = _dot(k, k, tb=True, mode=mode)
+    da = jnp.where(strict, sums["da"], 0.0)
+    dbeta = sums["dbeta"] + jnp.sum(da * kk * decay_strict, axis=1)
+    da_k = da * decay_strict * beta[:, None]  # dL/d(k_t . k_s)
+    za = da_k * kk  # dA (.) A
+    return dp, da_k, sums["dg"] + shared + jnp.sum(za, axis=1) - jnp.sum(za, axis=0), dbeta
+
+
+def _dk_pair_terms(cfg, dp, da_k, q_k, k_k):
+    """dk's C x C terms for the K columns of q_k, k_k: dp^T Q (+ da_k K + da_k^T K for the delta rule)."""
+    dk = _dot(dp, q_k, ta=True, mode=cfg.grad_dots)
+    if da_k is not None:
+        dk = dk + _dot(da_k, k_k, mode=cfg.grad_k_dots) + _dot(da_k, k_k, ta=True, mode=cfg.grad_k_dots)
+    return dk
+
+
+def _pair_terms(cfg, q_ref, k_ref, g, doc, beta, from_start, dq_acc, dk_acc, sums, first, kcols, dq_ref, dk_ref,
+                dbeta_ref, dlog_ref):
+    """The end of the gradient kernels that write dq and dk after one loop over V blocks: `_pair_products`, then
+    dq and dk. `dq_acc`, `dk_acc`: dO S_0^T and dks S_0^T + (e u) dS_end^T (C x BK); `sums` as `_pair_products`
+    takes it, with end and survive (the end-factor and state-survival terms of d(log_decay)). K block `kcols`;
+    `first` (traced) says whether it is block 0 of several, None when it is all of K."""
+    BK = dq_ref.shape[-1]
+    q, k = q_ref[...], k_ref[...]
+    q_k, k_k = (q, k) if BK == q.shape[-1] else (q_ref[:, kcols], k_ref[:, kcols])
+    dp, da_k, shared, dbeta = _pair_products(cfg, q, k, g, doc, beta, sums)
+    dq_state = cfg.scale * from_start[:, None] * dq_acc
+    dq_ref[...] = (dq_state + _dot(dp, k_k, mode=cfg.grad_dots)).astype(dq_ref.dtype)
+    if dbeta is not None:
         dbeta_ref[...] = dbeta if first is None else jnp.where(first, dbeta, 0.0)
-        da_k = da * decay_strict * beta[:, None]  # dL/d(k_t . k_s)
-        za = da_k * kk  # dA (.) A
-        shared = sums["dg"] + shared + jnp.sum(za, axis=1) - jnp.sum(za, axis=0)
-        dk = dk + _dot(da_k, k_k, mode=late) + _dot(da_k, k_k, ta=True, mode=late)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dk_ref[...] = (dk_acc + _dk_pair_terms(cfg, dp, da_k, q_k, k_k)).astype(dk_ref.dtype)
+    local = jnp.sum(dq_state * q_k.astype(F32), axis=1)
     dlog_ref[...] = _dlog(local, shared, sums["end"], sums["survive"], first)
 
 
 def _grad_merged_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, doc_ref, carry_ref, tail_ref, s0_ref, dend_ref,
                         do_ref, u_ref, dx_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dlog_ref, *, cfg: Config):
     """"merged" (delta rule): the two kernels of "staged" with u and dx from the passes, as one, grid (1, chunks,
-    B*Hv). One loop over V blocks does part 1's V-block terms and part 2's state terms, accumulating the C x C
-    products dO u^T and dx u^T in registers (no partials through memory); then `_pair_terms`. dq and dk are whole
-    rows (BK = K)."""
+    B*Hv); dq and dk are whole rows (BK = K). Three loops over the V blocks, so that at most one C x K accumulator
+    is live at a time: (1) dv, the per-token sums and the C x C products dO u^T and dx u^T, accumulated in
+    registers (no partials through memory); `_pair_products`; (2) dO S_0^T, then dq is written; (3) dk's state
+    terms onto its C x C terms. The later loops' loads mostly come from the L2 cache.
+
+    One loop doing all three (every accumulator live at once) was slower (1.31-1.39 against 1.17 ms at
+    8x2048x16x128 on the H100) and, as first written, gave dq and d(log_decay) errors of 1.1e-2 to 2.0e-2 there,
+    varying from run to run, where the interpreter gave 2.2e-3 on bf16 inputs (docs/kernels.md)."""
     C = cfg.chunk_size
     K, V = k_ref.shape[-1], do_ref.shape[-1]
     BV = min(cfg.grad_block_v, V)
+    nv = V // BV
     mode, late = cfg.grad_dots, cfg.grad_k_dots
     g = _gates(g_ref)
     from_start, to_end, survive = _chunk_scalars(g, carry_ref[...], tail_ref[...])
     beta = beta_ref[...]
     k = k_ref[...]
+    block = lambda j: pl.ds(pl.multiple_of(j * BV, BV), BV)
 
     def v_block(j, acc):
-        dq_acc, dk_acc, dp_acc, da_acc, dbeta_acc, dg_acc, end_acc, survive_acc = acc
-        cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
+        dp_acc, da_acc, dbeta_acc, dg_acc, end_acc, survive_acc = acc
+        cols = block(j)
         s0, dend, do, u, dx = s0_ref[:, cols], dend_ref[:, cols], do_ref[:, cols], u_ref[:, cols], dx_ref[:, cols]
         ks = _dot(k, s0, mode=cfg.state_dots)
         kd = _dot(k, dend, mode=cfg.state_dots)
         y = v_ref[:, cols].astype(F32) - from_start[:, None] * ks
         dv_ref[:, cols] = (beta[:, None] * dx).astype(dv_ref.dtype)
-        dks = -(beta * from_start)[:, None] * dx
         dp_acc = dp_acc + _dot(do, u, tb=True, mode=mode)
         da_acc = da_acc - _dot(dx, u, tb=True, mode=mode)  # dA = -T^T du (T beta y)^T
         dbeta_acc = dbeta_acc + jnp.sum(dx * y, axis=1)
-        dg_acc = dg_acc + jnp.sum(dks * ks, axis=1)  # through carry exp(G) in eq. (3)
+        dg_acc = dg_acc - jnp.sum((beta * from_start)[:, None] * dx * ks, axis=1)  # through carry exp(G), eq. (3)
         end_acc = end_acc + to_end * jnp.sum(u * kd, axis=1)  # e_i = dL/d log(token i's end factor)
-        dk_acc = dk_acc + _dot(dks, s0, tb=True, mode=late) + _dot(to_end[:, None] * u, dend, tb=True, mode=late)
-        dq_acc = dq_acc + _dot(do, s0, tb=True, mode=late)
         survive_acc = survive_acc + jnp.sum(s0.astype(F32) * dend.astype(F32))
-        return dq_acc, dk_acc, dp_acc, da_acc, dbeta_acc, dg_acc, end_acc, survive_acc
+        return dp_acc, da_acc, dbeta_acc, dg_acc, end_acc, survive_acc
+
+    def dk_state_terms(j, dk):
+        """dks S_0^T + (e u) dS_end^T of V block j."""
+        cols = block(j)
+        dks = -(beta * from_start)[:, None] * dx_ref[:, cols]
+        return (dk + _dot(dks, s0_ref[:, cols], tb=True, mode=late)
+                + _dot(to_end[:, None] * u_ref[:, cols], dend_ref[:, cols], tb=True, mode=late))
 
     zeros = lambda *shape: jnp.zeros(shape, F32)
-    acc = (zeros(C, K), zeros(C, K), zeros(C, C), zeros(C, C), zeros(C), zeros(C), zeros(C), jnp.float32(0.0))
-    dq_acc, dk_acc, dp, da, dbeta, dg, end, survive_acc = lax.fori_loop(0, V // BV, v_block, acc)
-    sums = dict(dp=dp, da=da, dbeta=dbeta, dg=dg, end=end, survive=survive * survive_acc)
-    _pair_terms(cfg, q_ref, k_ref, g, doc_ref[...], beta, from_start, dq_acc, dk_acc, sums, None, slice(None),
-                dq_ref, dk_ref, dbeta_ref, dlog_ref)
+    acc = (zeros(C, C), zeros(C, C), zeros(C), zeros(C), zeros(C), jnp.float32(0.0))
+    dp, da, dbeta, dg, end, survive_acc = lax.fori_loop(0, nv, v_block, acc)
+    q = q_ref[...]
+    dp, da_k, shared, dbeta = _pair_products(cfg, q, k, g, doc_ref[...], beta, dict(dp=dp, da=da, dbeta=dbeta, dg=dg))
+    dbeta_ref[...] = dbeta
+    dq_acc = lax.fori_loop(0, nv, lambda j, a: a + _dot(do_ref[:, block(j)], s0_ref[:, block(j)], tb=True, mode=late),
+                           zeros(C, K))
+    dq_state = cfg.scale * from_start[:, None] * dq_acc
+    dq_ref[...] = (dq_state + _dot(dp, k, mode=mode)).astype(dq_ref.dtype)
+    dlog_ref[...] = _dlog(jnp.sum(dq_state * q.astype(F32), axis=1), shared, end, survive * survive_acc, None)
+    dk_ref[...] = lax.fori_loop(0, nv, dk_state_terms, _dk_pair_terms(cfg, dp, da_k, q, k)).astype(dk_ref.dtype)
 
 
 def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=None):
@@ -1015,7 +1044,7 @@ BLOCK_V = 32  # the widest V block of the sequential passes (`common.sequential_
 # (not measured) "staged" with K blocks is used.
 GRAD_METHOD = "merged"
 MERGED_MAX_K = 128
-GRAD_BLOCKS = {"fused": (32, None, 4), "staged": (64, 128, 8), "merged": (32, None, 8)}
+GRAD_BLOCKS = {"fused": (32, None, 4), "staged": (64, 128, 8), "merged": (32, None, 4)}
 # Inverse kernel alone on the H100, 8x2048x16x128 bf16 (docs/kernels.md): "blocks16" 0.61 ms at 4 warps, 0.25 at 1;
 # "batched16" 0.26-0.28 at 1-2 warps, the same within the run-to-run spread. The warps were the gain.
 INVERSE_METHOD = "blocks16"

@@ -21,15 +21,17 @@ Linear attention is u = V. Kernels, in the order they run:
   (IEEE fp32 products, or for 16-bit inputs "batched16"'s exact 3-way bf16 splits); their H100 times are in
   docs/kernels.md.
 - `_forward_kernel`, grid (V/BV, B*Hv): the sequential pass over chunks with the fp32 state block S[:, BV] in
-  registers, (3)-(6) fused; writes O and the final state (and, for the backward, every chunk's start state).
+  registers, (3)-(6) fused; writes O and the final state (and, for the backward, every chunk's start state and u).
 - `_reverse_kernel`, grid (V/BV, B*Hv): the sequential pass backwards, carrying dL/dS; writes every chunk's
-  end-state cotangent and dL/d(initial_state).
+  end-state cotangent, dL/d(initial_state) and (for the gradients) dx = T^T du.
 - The gradients, chunk-parallel, from the saved start states and end-state cotangents (`Config.grad_method`):
   "fused": `_grad_kernel`, grid (K/BK, chunks, B*Hv), loops over V blocks inside the program so that dq, dk (a K
   block of them), dbeta and d(log_decay) come out whole. "staged": `_grad_v_kernel`, grid (V/BV, chunks, B*Hv),
   writes dv, u, dx and per-V-block partials of the C x C products; then `_grad_k_kernel`, grid (K/BK, chunks,
   B*Hv), loops over V blocks for dq and dk and does the C x C terms. No program of "staged" holds more than two
-  C x BK accumulators.
+  C x BK accumulators. "merged" (the default for K <= 128): `_grad_merged_kernel`, grid (1, chunks, B*Hv), reads
+  u and dx saved by the passes (`Config.grads_from_passes`, which "staged" can use too) and does everything in
+  three loops over V blocks, the C x C products in registers.
 
 Precision. Products of two input-dtype operands (Q K^T, K K^T) are exact on the tensor cores. A product with an fp32
 operand (the state, T, P, u, ...) is done in one of four modes (`Config.dots` etc.): "highest" (IEEE fp32, for
@@ -1038,10 +1040,10 @@ _wy.defvjp(_wy_fwd, _wy_bwd)
 
 BLOCK_V = 32  # the widest V block of the sequential passes (`common.sequential_block_v` narrows it)
 # Gradient kernels per method: V block, K block of dq and dk (None: whole rows), warps of the K-block kernel. On the
-# H100 (docs/kernels.md) "staged" took 2.7 ms where "fused" took 3.7 ms at 8x2048x16x128, same errors; "merged"
-# (with u and dx from the passes) 1.37-1.38 ms where "staged" took 1.43 from the passes and 1.49 recomputing them
-# (2026-11-24, device time per call). "merged" holds dq and dk whole (C x K fp32): for K above MERGED_MAX_K
-# (not measured) "staged" with K blocks is used.
+# H100 (docs/kernels.md) "staged" took 2.7 ms where "fused" took 3.7 ms at 8x2048x16x128 (host-timed), same errors;
+# device time per call on 2026-11-24: "merged" (u and dx from the passes, BV 32, 4 warps) 1.16 ms, "staged" 1.33
+# from the passes and 1.37-1.49 recomputing them. "merged" holds dq or dk whole (C x K fp32): for K above
+# MERGED_MAX_K (not measured) "staged" with K blocks is used.
 GRAD_METHOD = "merged"
 MERGED_MAX_K = 128
 GRAD_BLOCKS = {"fused": (32, None, 4), "staged": (64, 128, 8), "merged": (32, None, 4)}

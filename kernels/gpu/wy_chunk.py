@@ -296,32 +296,31 @@ def _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
 
 
 def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
-    """T of eq. (2) block by block: 10 SUB x SUB x K dots for the blocks of A, the 4 diagonal blocks inverted one
-    after another (`_unit_lower_inverse`), then T_ij = -T_ii sum_m A_im T_mj with SUB x SUB dots at IEEE fp32."""
+    """T of eq. (2) block by block, one block row at a time: row i's blocks of A from SUB x SUB x K dots, its
+    diagonal block inverted by forward substitution (`_unit_lower_inverse`), then T_ij = -T_ii sum_m A_im T_mj
+    (j < i, from the rows above) with SUB x SUB dots at IEEE fp32; the row is stored and its A blocks dropped.
+    Row by row, only one row of A and one key block at a time are live (the 1-warp program spilled registers
+    holding all 10 blocks of A and all 4 key blocks); the products and their order are those of the whole-matrix
+    form, so T is the same."""
     nb = cfg.chunk_size // SUB
     blocks = [slice(i * SUB, (i + 1) * SUB) for i in range(nb)]
-    k = [k_ref[b, :] for b in blocks]
-    beta = [beta_ref[b] for b in blocks]
-    g = [_gates(g_ref, b) for b in blocks]
-    doc = [doc_ref[b] for b in blocks]
     row, col = _iota2(SUB, SUB, 0), _iota2(SUB, SUB, 1)
-
-    a = {}
+    t = {}
     for i in range(nb):
+        k_i, beta_i, g_i = k_ref[blocks[i], :], beta_ref[blocks[i]], _gates(g_ref, blocks[i])
+        a = {}
         for j in range(i + 1):
             mask = row > col if i == j else row >= 0
             if cfg.segmented:
-                mask = mask & (doc[i][:, None] == doc[j][None, :])
-            a[i, j] = beta[i][:, None] * _dot(k[i], k[j], tb=True) * _pair_decay(g[i], g[j], mask)
-    t = {(i, i): _unit_lower_inverse(a[i, i]) for i in range(nb)}
-    for d in range(1, nb):  # T_ij = -T_ii sum_{j <= m < i} A_im T_mj, all at IEEE fp32
-        for i in range(d, nb):
-            j = i - d
-            acc = _dot(a[i, j], t[j, j])
+                mask = mask & (doc_ref[blocks[i]][:, None] == doc_ref[blocks[j]][None, :])
+            kk = _dot(k_i, k_ref[blocks[j], :], tb=True)
+            a[j] = beta_i[:, None] * kk * _pair_decay(g_i, _gates(g_ref, blocks[j]), mask)
+        t[i, i] = _unit_lower_inverse(a[i])
+        for j in range(i - 1, -1, -1):  # T_ij = -T_ii sum_{j <= m < i} A_im T_mj, all at IEEE fp32
+            acc = _dot(a[j], t[j, j])
             for m in range(j + 1, i):
-                acc = acc + _dot(a[i, m], t[m, j])
+                acc = acc + _dot(a[m], t[m, j])
             t[i, j] = -_dot(t[i, i], acc)
-    for i in range(nb):
         for j in range(nb):
             _store_inverse(t_refs, blocks[i], blocks[j], t[i, j] if j <= i else jnp.zeros((SUB, SUB), F32))
 

@@ -849,16 +849,17 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=
     qk_grad = jax.ShapeDtypeStruct((B, Tp, Hv, K), q.dtype if G == 1 else F32)
     total = lambda x: x[0] if x.shape[0] == 1 else jnp.sum(x, axis=0)
 
+    # Whole rows of a chunk: its V columns, its start state / end-state cotangent (K x V).
+    value_spec = pl.BlockSpec((None, C, None, V), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
+    chunk_state_spec = pl.BlockSpec((None, None, K, V), lambda j, i, bh: (bh // Hv, bh % Hv, i, 0))
     if cfg.grad_method == "fused":
-        value_spec = pl.BlockSpec((None, C, None, V), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
-        state_spec = pl.BlockSpec((None, None, K, V), lambda j, i, bh: (bh // Hv, bh % Hv, i, 0))
         dq, dk, dv, dbeta, dlog = pl.pallas_call(
             functools.partial(_grad_kernel, cfg=cfg),
             grid=(nk, Tp // C, B * Hv),
             in_specs=[key_spec, key_spec, value_spec, gate_spec,
                       inverse_spec(cfg, lambda j, i, bh: (bh // Hv, i, bh % Hv, 0), pair=pair) if cfg.delta
                       else key_spec,
-                      gates_spec, seq_spec, seq_spec, seq_spec, state_spec, state_spec, value_spec],
+                      gates_spec, seq_spec, seq_spec, seq_spec, chunk_state_spec, chunk_state_spec, value_spec],
             out_specs=[k_block_spec, k_block_spec, value_spec, block_vector_spec, block_vector_spec],
             out_shape=[qk_grad, qk_grad, jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), block_vector(nk),
                        block_vector(nk)],
@@ -872,13 +873,11 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=
         if BK != K:
             raise ValueError(f"grad_method='merged' writes whole rows of dq and dk: grad_block_k must be K = {K}, "
                              f"got {cfg.grad_block_k}")
-        value_spec = pl.BlockSpec((None, C, None, V), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
-        state_spec = pl.BlockSpec((None, None, K, V), lambda j, i, bh: (bh // Hv, bh % Hv, i, 0))
         dq, dk, dv, dbeta, dlog = pl.pallas_call(
             functools.partial(_grad_merged_kernel, cfg=cfg),
             grid=(1, Tp // C, B * Hv),
-            in_specs=[key_spec, key_spec, value_spec, gate_spec, gates_spec, seq_spec, seq_spec, seq_spec, state_spec,
-                      state_spec, value_spec, value_spec, value_spec],
+            in_specs=[key_spec, key_spec, value_spec, gate_spec, gates_spec, seq_spec, seq_spec, seq_spec,
+                      chunk_state_spec, chunk_state_spec, value_spec, value_spec, value_spec],
             out_specs=[k_block_spec, k_block_spec, value_spec, block_vector_spec, block_vector_spec],
             out_shape=[qk_grad, qk_grad, jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), block_vector(1),
                        block_vector(1)],
@@ -931,7 +930,6 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=
     dv, dp_parts, end = part1[:3]
 
     # Part 2: grid (K/BK, chunks, B*Hv).
-    value_spec = pl.BlockSpec((None, C, None, V), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
     cc_all_spec = pl.BlockSpec((None, C, None, nv * C), lambda j, i, bh: (bh // Hv, i, bh % Hv, 0))
     state_k_spec = pl.BlockSpec((None, None, BK, V), lambda j, i, bh: (bh // Hv, bh % Hv, i * nk + j, 0))
     in_specs = [key_spec, key_spec, value_spec, gate_spec, gates_spec, seq_spec, seq_spec, seq_spec, state_k_spec,

@@ -96,7 +96,7 @@ class Config:
     grad_dots: str  # the other products of the backward kernels
     grad_k_dots: str  # "staged" part 2: its products with S_0, dS_end and dA (see `_grad_k_kernel`)
     block_v: int  # BV of the sequential passes
-    grad_block_v: int  # BV of the gradient kernels (the loop of "fused", both kernels of "staged")
+    grad_block_v: int  # BV of the gradient kernels (the loops of "fused" and "merged", both kernels of "staged")
     grad_block_k: int  # BK of dq and dk (a grid axis of the gradient kernel that writes them; K: whole rows)
     grad_method: str  # GRAD_METHODS: "fused" (one kernel), "staged" (a V-block kernel, then a K-block kernel) or
     # "merged" (staged's two in one, reading u and dx from the passes; linear attention: "staged")
@@ -1065,8 +1065,9 @@ GRAD_DOTS = "split"
 GRAD_K_DOTS = "bf16"
 STATE_DOTS = "bf16"
 # Storage between kernels, where the consumers' products allow it (`Config.inverse_storage`, `state_storage`): T
-# for the gradient kernels as its bf16 (hi, lo) pair whenever its products are "split", the saved states and end-state cotangents in bf16
-# whenever every product reading them rounds them to bf16 (bfloat16 inputs).
+# for the gradient kernels that read it ("fused", "staged" recomputing u and dx) as its bf16 (hi, lo) pair whenever
+# its products are "split"; the saved states and end-state cotangents in bf16 whenever every product reading them
+# rounds them to bf16 (bfloat16 inputs).
 INVERSE_STORAGE = "split"
 STATE_STORAGE = "bf16"
 # Per gradient method: the passes save u and dx for the gradient kernels (`Config.grads_from_passes`).

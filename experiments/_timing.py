@@ -38,3 +38,8 @@ def pipelined_ms(fn, *args, iters, warmup=2, repeats=5):
         per_call.append((time.perf_counter() - start) * 1e3 / iters)
         del outs
     return statistics.median(per_call)
+
+
+def time_ms(fn, *args, iters, warmup=2, pipelined=True):
+    """`pipelined_ms` (device time per call) or, with `pipelined=False`, `median_ms` (each call waited for)."""
+    return (pipelined_ms if pipelined else median_ms)(fn, *args, iters=iters, warmup=warmup)

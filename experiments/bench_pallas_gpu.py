@@ -151,8 +151,8 @@ def variant_errors(cfg):
     return ", ".join(f"{rel(x, r):.1e}" for x, r in zip((o,) + grads, (o_ref,) + grads_ref))
 
 
-def median_ms(fn, *args, iters):
-    return (_timing.pipelined_ms if FLAGS.pipelined else _timing.median_ms)(fn, *args, iters=iters)
+def time_ms(fn, *args, iters):
+    return _timing.time_ms(fn, *args, iters=iters, pipelined=FLAGS.pipelined)
 
 
 def _grads(cfg, *args):
@@ -166,8 +166,8 @@ def grads_row(size, name, cfg, gargs):
     note = ""
     if cfg.grad_method == "staged":
         first = jax.jit(lambda *a: _grads(cfg, *a)[2])  # XLA drops the second kernel
-        note = f"V-block kernel alone {median_ms(first, *gargs, iters=FLAGS.iters):.3f} ms"
-    cells = ["nan"] * 4 + [f"{median_ms(grads, *gargs, iters=FLAGS.iters):.3f}", "nan", "nan", note]
+        note = f"V-block kernel alone {time_ms(first, *gargs, iters=FLAGS.iters):.3f} ms"
+    cells = ["nan"] * 4 + [f"{time_ms(grads, *gargs, iters=FLAGS.iters):.3f}", "nan", "nan", note]
     return f"| {size} | {name} | " + " | ".join(cells) + " |"
 
 
@@ -218,11 +218,11 @@ def main(argv):
                         prepared[key] = gargs
                         print(grads_row(size, name, cfg, gargs), flush=True)
                         continue
-                    cells += [median_ms(inv, k, beta, g, iters=FLAGS.iters),
-                              median_ms(fwd0, q, k, v, beta, t, g, iters=FLAGS.iters),
-                              median_ms(fwd1, q, k, v, beta, t, g, iters=FLAGS.iters),
-                              median_ms(rev, q, k, beta, t, g, o, final, iters=FLAGS.iters),
-                              median_ms(grads, *gargs, iters=FLAGS.iters)]
+                    cells += [time_ms(inv, k, beta, g, iters=FLAGS.iters),
+                              time_ms(fwd0, q, k, v, beta, t, g, iters=FLAGS.iters),
+                              time_ms(fwd1, q, k, v, beta, t, g, iters=FLAGS.iters),
+                              time_ms(rev, q, k, beta, t, g, o, final, iters=FLAGS.iters),
+                              time_ms(grads, *gargs, iters=FLAGS.iters)]
                     del t, t_grads, o, final, starts, dh0, dends, u, dx, gargs
                 else:
                     cells += [float("nan")] * 5
@@ -231,8 +231,8 @@ def main(argv):
                 fwd = jax.jit(lambda *a: run(*a)[0])
                 loss = lambda *a: jnp.sum(run(*a)[0].astype(jnp.float32) ** 2)
                 bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-                cells += [median_ms(fwd, q, k, v, beta, log_decay, iters=FLAGS.iters),
-                          median_ms(bwd, q, k, v, beta, log_decay, iters=FLAGS.iters)]
+                cells += [time_ms(fwd, q, k, v, beta, log_decay, iters=FLAGS.iters),
+                          time_ms(bwd, q, k, v, beta, log_decay, iters=FLAGS.iters)]
                 errors = variant_errors(cfg) if FLAGS.error_size else ""
                 print(f"| {size} | {name} | " + " | ".join(f"{c:.3f}" for c in cells) + f" | {errors} |", flush=True)
             except Exception as error:  # a variant that does not compile (registers, shared memory) is reported

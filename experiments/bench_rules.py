@@ -48,10 +48,6 @@ flags.DEFINE_integer("max_scan_tokens", 1 << 16, "Skip the scan above this many 
 flags.DEFINE_bool("peak_memory", False, "Print the device's peak memory in use after each row.")
 
 
-def median_ms(fn, *args, iters, warmup):
-    return (_timing.pipelined_ms if FLAGS.pipelined else _timing.median_ms)(fn, *args, iters=iters, warmup=warmup)
-
-
 def make_inputs(rule, B, T, H, D, dtype, seed=0):
     keys = jax.random.split(jax.random.PRNGKey(seed), 6)
     q = jax.random.normal(keys[0], (B, T, H, D), jnp.float32)
@@ -121,7 +117,7 @@ def main(argv):
             fn = rule_fn(FLAGS.rule, impl)
             forward = jax.jit(lambda *a: fn(*a)[0])
             try:
-                fwd = median_ms(forward, *args, iters=FLAGS.iters, warmup=FLAGS.warmup)
+                fwd = _timing.time_ms(forward, *args, iters=FLAGS.iters, warmup=FLAGS.warmup, pipelined=FLAGS.pipelined)
             except ValueError as error:  # e.g. a kernel that does not support this size
                 print(f"| {impl} | {size} | unsupported: {error} | | | |")
                 continue
@@ -132,7 +128,7 @@ def main(argv):
                 loss = lambda q, k, v, b, g: jnp.sum(fn(q, k, v, b, g)[0].astype(jnp.float32) ** 2)
                 argnums = tuple(i for i, a in enumerate(args) if a is not None)
                 grad = jax.jit(jax.grad(loss, argnums=argnums))
-                bwd = median_ms(grad, *args, iters=FLAGS.iters, warmup=FLAGS.warmup)
+                bwd = _timing.time_ms(grad, *args, iters=FLAGS.iters, warmup=FLAGS.warmup, pipelined=FLAGS.pipelined)
                 bwd_text = f"{bwd:.3f}"
             if impl == "chunk":
                 chunk_times = (fwd, bwd)

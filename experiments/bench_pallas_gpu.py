@@ -60,6 +60,30 @@ VARIANTS = {
     "tolerant_bf16": dict(grad_k_dots="bf16", state_dots="bf16"),
     # "split" everywhere: the defaults before 2026-11-23 evening.
     "all_split": dict(grad_k_dots="split", state_dots="split"),
+    # Output chunk-parallel after a state-only pass (wy_chunk.OUTPUT_METHODS); "split" with the pass's BV as the
+    # default picks it, "split_bv16" / "split_bv32" with it fixed.
+    "split": dict(output_method="split"),
+    "split_obv64": dict(output_method="split", output_block_v=64),
+    "split_owarps8": dict(output_method="split", output_warps=8),
+    "split_bv16": dict(output_method="split", block_v=16),
+    "split_bv32": dict(output_method="split", block_v=32),
+    "split_bv64": dict(output_method="split", block_v=64),
+    "split_warps2": dict(output_method="split", warps=2),
+    "split_warps8": dict(output_method="split", warps=8),
+    "split_stages1": dict(output_method="split", stages=1),
+    "split_stages3": dict(output_method="split", stages=3),
+    "split_pair": dict(output_method="split", pass_inverse_storage="split"),
+    "split_pstages3": dict(output_method="split", pass_stages=3),
+    "split_pstages4": dict(output_method="split", pass_stages=4),
+    "split_pstages3_pair": dict(output_method="split", pass_stages=3, pass_inverse_storage="split"),
+    "split_pstages3_prefetch": dict(output_method="split", pass_stages=3, prefetch=True),
+    "fused_pstages3": dict(output_method="fused", pass_stages=3),
+    "fused": dict(output_method="fused"),
+    # How the passes read T (fp32, or its bf16 pair "split"): forward pass / reverse pass.
+    "fused_pair": dict(output_method="fused", pass_inverse_storage="split", reverse_inverse_storage="split"),
+    "split_fp32_t": dict(output_method="split", pass_inverse_storage="fp32", reverse_inverse_storage="fp32"),
+    "split_pair_fp32": dict(output_method="split", pass_inverse_storage="split", reverse_inverse_storage="fp32"),
+    "split_pair_pair": dict(output_method="split", pass_inverse_storage="split", reverse_inverse_storage="split"),
     "bv16": dict(block_v=16),
     "bv16_warps2": dict(block_v=16, warps=2),
     "bv32": dict(block_v=32),
@@ -194,7 +218,7 @@ def main(argv):
                     doc = jnp.zeros((B, T), jnp.int32)
                     ones = jnp.ones((B, T), jnp.float32)
                     h0 = jnp.zeros((B, H, D, D), jnp.float32)
-                    inv = jax.jit(lambda k, b, g: wy_chunk._inverse(cfg, k, b, g, doc))
+                    inv = jax.jit(lambda k, b, g: wy_chunk._inverses(cfg, k, b, g, doc))  # the forward's T
                     # The gradient kernels' inputs depend on no grad_* field but grad_dots: made once per size.
                     key = (size, cfg.state_storage, cfg.grads_from_passes, wy_chunk.replace_config(
                         cfg, grad_block_v=0, grad_block_k=0, grad_method="", grad_warps=0, grad_k_warps=0,
@@ -210,9 +234,9 @@ def main(argv):
                     o, final, starts, *u = fwd1(q, k, v, beta, t, g)
                     rev = jax.jit(lambda q, k, b, t, g, do, df: wy_chunk._reverse_pass(
                         cfg, q, k, b, t, g, doc, ones, ones, do, df))
-                    dh0, dends, *dx = rev(q, k, beta, t, g, o, final)
+                    _, t_reverse, t_grads = wy_chunk._inverses(cfg, k, beta, g, doc, for_grads=True)
+                    dh0, dends, *dx = rev(q, k, beta, t_reverse, g, o, final)
                     grads = jax.jit(lambda *a: _grads(cfg, *a))
-                    t_grads = wy_chunk._inverse_or_none(cfg, k, beta, g, doc, for_grads=True)[1]
                     gargs = (q, k, v, beta, t_grads, g, doc, ones, ones, starts, dends, o, *u, *dx)
                     if FLAGS.grads_only:
                         prepared[key] = gargs
@@ -221,9 +245,9 @@ def main(argv):
                     cells += [time_ms(inv, k, beta, g, iters=FLAGS.iters),
                               time_ms(fwd0, q, k, v, beta, t, g, iters=FLAGS.iters),
                               time_ms(fwd1, q, k, v, beta, t, g, iters=FLAGS.iters),
-                              time_ms(rev, q, k, beta, t, g, o, final, iters=FLAGS.iters),
+                              time_ms(rev, q, k, beta, t_reverse, g, o, final, iters=FLAGS.iters),
                               time_ms(grads, *gargs, iters=FLAGS.iters)]
-                    del t, t_grads, o, final, starts, dh0, dends, u, dx, gargs
+                    del t, t_reverse, t_grads, o, final, starts, dh0, dends, u, dx, gargs
                 else:
                     cells += [float("nan")] * 5
                 run = lambda q, k, v, b, g: wy_chunk.chunk_wy(q, k, v, b, g, scale=D ** -0.5, initial_state=None,

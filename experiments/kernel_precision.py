@@ -26,6 +26,9 @@ flags.DEFINE_bool("interpret", False, "Run the kernels in Pallas's interpreter."
 
 VARIANTS = {
     "default": {},
+    # Output methods (wy_chunk.OUTPUT_METHODS), each forced: "split" reads the saved (bf16) start states for Q S_0.
+    "fused_output": dict(output_method="fused"),
+    "split_output": dict(output_method="split"),
     # Storage between kernels (wy_chunk.INVERSE_STORAGES, STATE_STORAGES): "storage_fp32" is the default before
     # 2026-11-24 (T and the saved states in fp32).
     "storage_fp32": dict(inverse_storage="fp32", state_storage="fp32"),

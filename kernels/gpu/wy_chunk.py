@@ -20,8 +20,12 @@ Linear attention is u = V. Kernels, in the order they run:
   in one loop of 15 steps, merged 16 -> 32 inside each half and 32 -> 64 with C/2 x C/2 dots. Both are exact
   (IEEE fp32 products, or for 16-bit inputs "batched16"'s exact 3-way bf16 splits); their H100 times are in
   docs/kernels.md.
-- `_forward_kernel`, grid (V/BV, B*Hv): the sequential pass over chunks with the fp32 state block S[:, BV] in
-  registers, (3)-(6) fused; writes O and the final state (and, for the backward, every chunk's start state and u).
+- The sequential pass over chunks, grid (V/BV, B*Hv), with the fp32 state block S[:, BV] in registers
+  (`Config.output_method`): "fused", `_forward_kernel`: (3)-(6) fused; writes O and the final state (and, for the
+  backward, every chunk's start state and u). "split" (the default when the passes have at most two programs per
+  SM): `_state_kernel` does (3), (4), (6) alone and writes every chunk's start state and u, then
+  `_output_kernel`, grid (V/BV, chunks, B*Hv), does (5) chunk-parallel. With few programs the pass is bound by
+  the latency of each step's dependency chain, and "split" leaves only that chain in it.
 - `_reverse_kernel`, grid (V/BV, B*Hv): the sequential pass backwards, carrying dL/dS; writes every chunk's
   end-state cotangent, dL/d(initial_state) and (for the gradients) dx = T^T du.
 - The gradients, chunk-parallel, from the saved start states and end-state cotangents (`Config.grad_method`):
@@ -61,6 +65,7 @@ from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import iota2 as _iota2
 from deltajax.kernels.gpu.common import last as _last
+from deltajax.kernels.gpu.common import MIN_SEQUENTIAL_PROGRAMS
 from deltajax.kernels.gpu.common import sequential_block_v
 from deltajax.kernels.gpu.common import split_bf16 as _split_bf16
 from deltajax.kernels.gpu.common import split_pair_dot as _split_pair_dot
@@ -77,6 +82,7 @@ INVERSE_METHODS = ("blocks16", "batched16")
 INVERSE_STORAGES = ("fp32", "split")
 ROUNDING_GRAD_METHODS = ("staged", "merged")  # whose state products take `grad_k_dots` (bf16 states possible)
 STATE_STORAGES = ("fp32", "bf16")
+OUTPUT_METHODS = ("fused", "split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +97,7 @@ class Config:
     segmented: bool  # same-document masks inside the chunk are needed
     gated: bool  # a log-decay was given (False: G = 0, never computed from a constant)
     dots: str  # forward products with an fp32 operand (`common.DOT_MODES`)
-    state_dots: str  # K S_0 and K dS (forward and reverse pass, gradient part 1; see `_forward_kernel`)
+    state_dots: str  # K S_0, Q S_0, K dS, Q^T dO (passes, output, gradient part 1; see `_chunk_step`)
     inverse_dots: str  # products with T, forward and backward
     grad_dots: str  # the other products of the backward kernels
     grad_k_dots: str  # "staged" part 2: its products with S_0, dS_end and dA (see `_grad_k_kernel`)
@@ -120,12 +126,32 @@ class Config:
     # kernels read them instead of recomputing P, du and both products with T (then no gradient kernel reads T).
     # "staged": either; "merged": always; "fused": never.
     grads_from_passes: bool = False
+    # Where O (eq. 5) is computed (OUTPUT_METHODS): "fused", inside the forward pass; "split", chunk-parallel by
+    # `_output_kernel` after a pass that carries only the state and writes every start state (`state_storage`) and
+    # u. "split" moves Q K^T, Q S_0 and P u off the pass's dependency chain at the price of writing and reading
+    # the states and u (which the backward saves anyway).
+    output_method: str = "fused"
+    output_block_v: int = 128  # BV of `_output_kernel`
+    output_warps: int = 4
+    # Pipeline stages of the sequential passes (None: `stages`). Deeper pipelines take shared memory that limits
+    # the programs per SM, which matters only when there are more programs than SMs.
+    pass_stages: int | None = None
+    # How the forward pass and the reverse pass read T (INVERSE_STORAGES): fp32, split into bf16 (hi, lo) in every
+    # step, or "split": the pair written by the inverse kernel (the same three products, so the same values).
+    pass_inverse_storage: str = "fp32"
+    reverse_inverse_storage: str = "fp32"
 
     def __post_init__(self):
         if self.inverse_storage not in INVERSE_STORAGES:
             raise ValueError(f"inverse_storage must be one of {INVERSE_STORAGES}, got {self.inverse_storage!r}")
         if self.inverse_storage == "split" and self.inverse_dots != "split":
             raise ValueError(f"inverse_storage='split' needs inverse_dots='split', got {self.inverse_dots!r}")
+        for name in ("pass_inverse_storage", "reverse_inverse_storage"):
+            value = getattr(self, name)
+            if value not in INVERSE_STORAGES:
+                raise ValueError(f"{name} must be one of {INVERSE_STORAGES}, got {value!r}")
+            if value == "split" and self.inverse_dots != "split":
+                raise ValueError(f"{name}='split' needs inverse_dots='split', got {self.inverse_dots!r}")
         if self.state_storage not in STATE_STORAGES:
             raise ValueError(f"state_storage must be one of {STATE_STORAGES}, got {self.state_storage!r}")
         if self.state_storage == "bf16" and not (
@@ -220,12 +246,14 @@ def _exact_dot(a, b, fp32):
 
 
 def _store_inverse(t_refs, rows, cols, value):
-    """Writes a block of T: fp32 into t_refs[0] and, where a second ref is given, its bf16 pair (hi, lo)."""
-    t_refs[0][rows, cols] = value
-    if len(t_refs) == 2:
-        hi, lo = _split_bf16(value)
-        t_refs[1][0, rows, cols] = hi
-        t_refs[1][1, rows, cols] = lo
+    """Writes a block of T into each ref: fp32, or its bf16 pair (hi, lo) where the ref has a leading axis of 2."""
+    for ref in t_refs:
+        if len(ref.shape) == 3:
+            hi, lo = _split_bf16(value)
+            ref[0, rows, cols] = hi
+            ref[1, rows, cols] = lo
+        else:
+            ref[rows, cols] = value
 
 
 def _inverse_dot(t_ref, rows, x, cfg, *, ta=False):
@@ -325,8 +353,8 @@ def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
             _store_inverse(t_refs, blocks[i], blocks[j], t[i, j] if j <= i else jnp.zeros((SUB, SUB), F32))
 
 
-def _inverse(cfg, k, beta, g, doc, *, pair=False):
-    """T (fp32) of every chunk; with `pair` also its bf16 pair (hi, lo) for the gradient kernels."""
+def _inverse(cfg, k, beta, g, doc, *, pair=False, fp32=True):
+    """T (fp32) of every chunk and/or (`pair`) its bf16 pair (hi, lo); a tuple (fp32, pair) when both."""
     B, Tp, H, K = k.shape
     Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
     key = lambda t, bh: (bh // Hv, t, (bh % Hv) // G, 0)
@@ -338,14 +366,14 @@ def _inverse(cfg, k, beta, g, doc, *, pair=False):
         grid=(Tp // C, B * Hv),
         in_specs=[pl.BlockSpec((None, C, None, K), key), pl.BlockSpec((None, C, None), gate),
                   pl.BlockSpec((2, None, C, None), lambda t, bh: (0,) + gate(t, bh)), pl.BlockSpec((None, C), seq)],
-        out_specs=[inverse_spec(cfg, head)] + ([inverse_spec(cfg, head, pair=True)] if pair else []),
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)]
+        out_specs=([inverse_spec(cfg, head)] if fp32 else []) + ([inverse_spec(cfg, head, pair=True)] if pair else []),
+        out_shape=([jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)] if fp32 else [])
         + ([jax.ShapeDtypeStruct((2, B, Tp, Hv, C), BF16)] if pair else []),
         compiler_params=_params(cfg.inverse_warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_inverse",
     )(k, beta, g, doc)
-    return tuple(out) if pair else out[0]
+    return tuple(out) if len(out) == 2 else out[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -353,14 +381,17 @@ def _inverse(cfg, k, beta, g, doc, *, pair=False):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _sequence_specs(cfg, Tp, K, BV):
-    """BlockSpecs of the sequential passes (grid (V/BV, B*Hv)): whole sequences of one head, V block j."""
+def _sequence_specs(cfg, Tp, K, BV, *, pair=False):
+    """BlockSpecs of the sequential passes (grid (V/BV, B*Hv)): whole sequences of one head, V block j; `pair`: T
+    comes as its bf16 pair [2, B, Tp, Hv, C]."""
     Hv, G = cfg.value_heads, cfg.value_heads // cfg.key_heads
     return dict(
         key=pl.BlockSpec((None, Tp, None, K), lambda j, bh: (bh // Hv, 0, (bh % Hv) // G, 0)),
         value=pl.BlockSpec((None, Tp, None, BV), lambda j, bh: (bh // Hv, 0, bh % Hv, j)),
-        # Linear attention reads no T: k stands in for it (see `_inverse_or_none`).
-        inverse=(pl.BlockSpec((None, Tp, None, cfg.chunk_size), lambda j, bh: (bh // Hv, 0, bh % Hv, 0))
+        # T, or its bf16 pair (`pair`). Linear attention reads no T: k stands in for it (see `_inverses`).
+        inverse=(pl.BlockSpec((2, None, Tp, None, cfg.chunk_size), lambda j, bh: (0, bh // Hv, 0, bh % Hv, 0))
+                 if pair else
+                 pl.BlockSpec((None, Tp, None, cfg.chunk_size), lambda j, bh: (bh // Hv, 0, bh % Hv, 0))
                  if cfg.delta else pl.BlockSpec((None, Tp, None, K), lambda j, bh: (bh // Hv, 0, (bh % Hv) // G, 0))),
         gate=pl.BlockSpec((None, Tp, None), lambda j, bh: (bh // Hv, 0, bh % Hv)),
         gates=pl.BlockSpec((2, None, Tp, None), lambda j, bh: (0, bh // Hv, 0, bh % Hv)),  # G as (hi, lo)
@@ -369,9 +400,32 @@ def _sequence_specs(cfg, Tp, K, BV):
     )
 
 
+def _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k, scalars, s):
+    """(3), (4) and (6) of one chunk: u (fp32) and the state block at the chunk's end, from s at its start."""
+    from_start, to_end, survive = scalars
+    u = v_ref[rows, :].astype(F32)
+    if cfg.delta:
+        # K S_0, Q S_0, K dS and Q^T dO (here, in `_output`, the reverse pass and the gradients' part 1) tolerate
+        # bf16 operands where the other products of the passes do not (docs/kernels.md, "Which products need
+        # split").
+        y = u - from_start[:, None] * _dot(k, s, mode=cfg.state_dots)
+        u = _inverse_dot(t_ref, rows, beta_ref[rows][:, None] * y, cfg)
+    return u, survive * s + _dot(k, to_end[:, None] * u, ta=True, mode=cfg.dots)
+
+
+def _output(cfg, q, k, g, doc, from_start, s, u):
+    """Eq. (5): O of one chunk from its start state block s and u (fp32, or v of linear attention). Diagonal scales
+    go on the fp32 side of each dot so that q and k enter the tensor cores unrounded."""
+    mask = _chunk_mask(doc, cfg.chunk_size, strict=False, segmented=cfg.segmented)
+    p = _dot(q, k, tb=True, mode=cfg.dots) * _pair_decay(g, g, mask)
+    # Q S_0 with `state_dots`: "split" reads the saved start states, bf16 for bf16 inputs, so both methods round S_0.
+    return cfg.scale * (from_start[:, None] * _dot(q, s, mode=cfg.state_dots) + _dot(p, u, mode=cfg.dots))
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, tail_ref, h0_ref,
                     o_ref, final_ref, *saved_refs, cfg: Config, nt: int):
-    """saved_refs: none (forward only), or every chunk's start state, and with `cfg.grads_from_passes` u."""
+    """`cfg.output_method` "fused": the output inside the pass. saved_refs: none (forward only), or every chunk's
+    start state, and with `cfg.grads_from_passes` u."""
     C = cfg.chunk_size
     K = q_ref.shape[-1]
     states_ref = saved_refs[:1]
@@ -381,24 +435,48 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_
         rows = pl.ds(pl.multiple_of(i * C, C), C)
         if states_ref:
             states_ref[0][pl.ds(pl.multiple_of(i * K, K), K), :] = s.astype(states_ref[0].dtype)
-        q, k, g = q_ref[rows, :], k_ref[rows, :], _gates(g_ref, rows)
-        from_start, to_end, survive = _chunk_scalars(g, carry_ref[rows], tail_ref[rows])
-        mask = _chunk_mask(doc_ref[rows], C, strict=False, segmented=cfg.segmented)
-        p = _dot(q, k, tb=True, mode=cfg.dots) * _pair_decay(g, g, mask)
-        u = v_ref[rows, :].astype(F32)
-        if cfg.delta:
-            # K S and K dS (here, in the reverse pass and in the gradients' part 1) tolerate bf16 operands where the
-            # other products of the passes do not (docs/kernels.md, "Which products need split").
-            y = u - from_start[:, None] * _dot(k, s, mode=cfg.state_dots)
-            u = _inverse_dot(t_ref, rows, beta_ref[rows][:, None] * y, cfg)
-            if len(saved_refs) == 2:
-                saved_refs[1][rows, :] = u
-        # Diagonal scales go on the fp32 side of each dot so that q and k enter the tensor cores unrounded.
-        o = cfg.scale * (from_start[:, None] * _dot(q, s, mode=cfg.dots) + _dot(p, u, mode=cfg.dots))
-        o_ref[rows, :] = o.astype(o_ref.dtype)
-        return survive * s + _dot(k, to_end[:, None] * u, ta=True, mode=cfg.dots)
+        k, g = k_ref[rows, :], _gates(g_ref, rows)
+        scalars = _chunk_scalars(g, carry_ref[rows], tail_ref[rows])
+        u, s_end = _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k, scalars, s)
+        if cfg.delta and len(saved_refs) == 2:
+            saved_refs[1][rows, :] = u
+        o_ref[rows, :] = _output(cfg, q_ref[rows, :], k, g, doc_ref[rows], scalars[0], s, u).astype(o_ref.dtype)
+        return s_end
 
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
+
+
+def _state_kernel(k_ref, v_ref, beta_ref, t_ref, g_ref, carry_ref, tail_ref, h0_ref, final_ref, states_ref,
+                  *u_ref, cfg: Config, nt: int):
+    """`cfg.output_method` "split": the pass carries only the state, (3), (4) and (6); writes every chunk's start
+    state and u (delta rule) for `_output_kernel`, which does (5) chunk-parallel. The dependency chain of a step is
+    then K S_0, T (beta y) and K_end^T u alone, with nothing else for the program to issue between them. T is
+    read as fp32 or as its bf16 pair (`Config.pass_inverse_storage`)."""
+    C = cfg.chunk_size
+    K = k_ref.shape[-1]
+
+    def chunk(i, s):
+        rows = pl.ds(pl.multiple_of(i * C, C), C)
+        states_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = s.astype(states_ref.dtype)
+        scalars = _chunk_scalars(_gates(g_ref, rows), carry_ref[rows], tail_ref[rows])
+        u, s_end = _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k_ref[rows, :], scalars, s)
+        if u_ref:
+            u_ref[0][rows, :] = u
+        return s_end
+
+    final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
+
+
+def _output_kernel(q_ref, k_ref, u_ref, g_ref, doc_ref, carry_ref, s0_ref, o_ref, *, cfg: Config):
+    """Eq. (5) for one chunk and V block, from the start state and u written by `_state_kernel`."""
+    g = _gates(g_ref)
+    from_start = carry_ref[...] * jnp.exp(g[0] + g[1])
+    o = _output(cfg, q_ref[...], k_ref[...], g, doc_ref[...], from_start, s0_ref[...], u_ref[...].astype(F32))
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+def _pass_stages(cfg):
+    return cfg.pass_stages or cfg.stages
 
 
 def _saves_u_dx(cfg):
@@ -411,11 +489,20 @@ def _state_dtype(cfg):
 
 
 def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states):
+    """(o, final state), and `with_states` every chunk's start state and (`_saves_u_dx`) u."""
+    if cfg.output_method == "split":
+        final, starts, *u = _state_pass(cfg, k, v, beta, t, g, carry, tail, h0)
+        o = _output_pass(cfg, q, k, u[0] if u else v, g, doc, carry, starts, v.dtype)
+        if not with_states:
+            return o, final
+        return (o, final, starts, *u) if _saves_u_dx(cfg) else (o, final, starts)
+    if cfg.output_method != "fused":
+        raise ValueError(f"output_method must be one of {OUTPUT_METHODS}, got {cfg.output_method!r}")
     B, Tp, H, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     BV = min(cfg.block_v, V)
     nt = Tp // cfg.chunk_size
-    sp = _sequence_specs(cfg, Tp, K, BV)
+    sp = _sequence_specs(cfg, Tp, K, BV, pair=t.ndim == 5)
     out_shape = [jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), jax.ShapeDtypeStruct((B, Hv, K, V), F32)]
     out_specs = [sp["value"], sp["state"]]
     if with_states:
@@ -431,10 +518,59 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
                   sp["seq"], sp["state"]],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_params(cfg.warps, cfg.stages),
+        compiler_params=_params(cfg.warps, _pass_stages(cfg)),
         interpret=cfg.interpret,
         name="wy_forward",
     )(q, k, v, beta, t, g, doc, carry, tail, h0)
+
+
+def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0):
+    """The sequential pass of "split": (final state, every chunk's start state, u (delta rule only))."""
+    B, Tp, H, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    BV = min(cfg.block_v, V)
+    nt = Tp // cfg.chunk_size
+    sp = _sequence_specs(cfg, Tp, K, BV, pair=t.ndim == 5)
+    out_specs = [sp["state"], pl.BlockSpec((None, None, nt * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j))]
+    out_shape = [jax.ShapeDtypeStruct((B, Hv, K, V), F32),
+                 jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))]
+    if cfg.delta:
+        out_specs.append(sp["value"])
+        out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
+    return pl.pallas_call(
+        functools.partial(_state_kernel, cfg=cfg, nt=nt),
+        grid=(V // BV, B * Hv),
+        in_specs=[sp["key"], sp["value"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], sp["seq"], sp["state"]],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params(cfg.warps, _pass_stages(cfg)),
+        interpret=cfg.interpret,
+        name="wy_states",
+    )(k, v, beta, t, g, carry, tail, h0)
+
+
+def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype):
+    """O of every chunk, chunk-parallel: grid (V/BV, chunks, B*Hv) with BV = `cfg.output_block_v`."""
+    B, Tp, H, K = q.shape
+    Hv, V = u.shape[2], u.shape[3]
+    C, G = cfg.chunk_size, Hv // H
+    BV = min(cfg.output_block_v, V)
+    key_spec = pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0))
+    value_spec = pl.BlockSpec((None, C, None, BV), lambda j, i, bh: (bh // Hv, i, bh % Hv, j))
+    return pl.pallas_call(
+        functools.partial(_output_kernel, cfg=cfg),
+        grid=(V // BV, Tp // C, B * Hv),
+        in_specs=[key_spec, key_spec, value_spec,
+                  pl.BlockSpec((2, None, C, None), lambda j, i, bh: (0, bh // Hv, i, bh % Hv)),
+                  pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
+                  pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
+                  pl.BlockSpec((None, None, K, BV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j))],
+        out_specs=value_spec,
+        out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, V), out_dtype),
+        compiler_params=_params(cfg.output_warps, cfg.stages),
+        interpret=cfg.interpret,
+        name="wy_output",
+    )(q, k, u, g, doc, carry, starts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -456,7 +592,7 @@ def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, ta
         from_start, to_end, survive = _chunk_scalars(g, carry_ref[rows], tail_ref[rows])
         do = do_ref[rows, :]
         ds_start = survive * ds + cfg.scale * _dot(q, from_start[:, None] * do.astype(F32), ta=True,
-                                                   mode=cfg.grad_dots)
+                                                   mode=cfg.state_dots)
         if cfg.delta:
             mask = _chunk_mask(doc_ref[rows], C, strict=False, segmented=cfg.segmented)
             p = _dot(q, k, tb=True, mode=cfg.grad_dots) * _pair_decay(g, g, mask)
@@ -477,7 +613,7 @@ def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal):
     Hv, V = do.shape[2], do.shape[3]
     BV = min(cfg.block_v, V)
     nt = Tp // cfg.chunk_size
-    sp = _sequence_specs(cfg, Tp, K, BV)
+    sp = _sequence_specs(cfg, Tp, K, BV, pair=t.ndim == 5)
     out_specs = [sp["state"], pl.BlockSpec((None, None, nt * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j))]
     out_shape = [jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))]
     if _saves_u_dx(cfg):
@@ -490,7 +626,7 @@ def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal):
                   sp["value"], sp["state"]],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_params(cfg.warps, cfg.stages),
+        compiler_params=_params(cfg.warps, _pass_stages(cfg)),
         interpret=cfg.interpret,
         name="wy_reverse",
     )(q, k, beta, t, g, doc, carry, tail, do, dfinal)
@@ -965,19 +1101,23 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _inverse_or_none(cfg, k, beta, g, doc, *, for_grads=False):
-    """T for the sequential passes, and with `for_grads` also T as the gradient kernels read it (the same array
-    unless `cfg.inverse_storage` is "split"; None where they read no T)."""
+def _inverses(cfg, k, beta, g, doc, *, for_grads=False):
+    """T as each kernel reads it: the forward pass's, and with `for_grads` (forward pass, reverse pass, gradient
+    kernels). Each is fp32 T or its bf16 pair (`Config.pass_inverse_storage`, `reverse_inverse_storage`,
+    `inverse_storage`), or None for gradients that read u and dx; the inverse kernel writes only what is read."""
     if not cfg.delta:
-        return (k, k) if for_grads else k  # linear attention never reads T (cfg.delta gates every use)
-    if not for_grads:
-        return _inverse(cfg, k, beta, g, doc)
-    if _saves_u_dx(cfg):
-        return _inverse(cfg, k, beta, g, doc), None
-    if cfg.inverse_storage == "split":
-        return _inverse(cfg, k, beta, g, doc, pair=True)
-    t = _inverse(cfg, k, beta, g, doc)
-    return t, t
+        return (k, k, k) if for_grads else k  # linear attention never reads T (cfg.delta gates every use)
+    storage = lambda split: "pair" if split else "fp32"
+    wanted = [storage(cfg.pass_inverse_storage == "split")]
+    if for_grads:
+        wanted.append(storage(cfg.reverse_inverse_storage == "split"))
+        wanted.append(None if _saves_u_dx(cfg) else storage(cfg.inverse_storage == "split"))
+    written = _inverse(cfg, k, beta, g, doc, pair="pair" in wanted, fp32="fp32" in wanted)
+    if not isinstance(written, tuple):
+        written = (written,)
+    by_storage = dict(zip([name for name in ("fp32", "pair") if name in wanted], written))
+    arrays = tuple(by_storage.get(name) for name in wanted)
+    return arrays if for_grads else arrays[0]
 
 
 def _in_chunk_cumsum(cfg, log_decay):
@@ -1000,14 +1140,14 @@ def _gate_input(cfg, log_decay):
 def _wy(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     """Differentiable in log_decay itself (not in G): the gate gradient comes out per token, see `_grad_kernel`."""
     g = _gate_input(cfg, log_decay)
-    t = _inverse_or_none(cfg, k, beta, g, doc)
+    t = _inverses(cfg, k, beta, g, doc)
     return _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=False)
 
 
 def _wy_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     g = _gate_input(cfg, log_decay)
-    t, t_grads = _inverse_or_none(cfg, k, beta, g, doc, for_grads=True)
-    o, final, starts, *u = _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=True)
+    t_forward, t, t_grads = _inverses(cfg, k, beta, g, doc, for_grads=True)
+    o, final, starts, *u = _forward_pass(cfg, q, k, v, beta, t_forward, g, doc, carry, tail, h0, with_states=True)
     return (o, final), (q, k, v, beta, g, doc, carry, tail, t, t_grads, starts, u)
 
 
@@ -1072,6 +1212,30 @@ INVERSE_STORAGE = "split"
 STATE_STORAGE = "bf16"
 # Per gradient method: the passes save u and dx for the gradient kernels (`Config.grads_from_passes`).
 GRADS_FROM_PASSES = {"fused": False, "staged": True, "merged": True}
+# Where the output leaves the forward pass (`Config.output_method`, `sequential_layout`). H100, 2026-11-24, device
+# time, forward / forward+backward ms: 8x2048x16x128 (512 programs) fused 0.638-0.646 / 2.319-2.325, split
+# 0.679-0.691 / 2.300-2.306; 2x8192x16x128 (256) fused 0.927 / 2.931, split 0.868 / 2.825, split reading T's pair
+# 0.781 / 2.759; 1x32768x16x128 (128) fused 2.545 / 7.122, split 2.171-2.203 / 6.748-6.761, with 3 pass stages
+# 1.860 / 6.256, and the pair 1.803 / 6.276.
+SPLIT_OUTPUT_MAX_PROGRAMS = 2 * MIN_SEQUENTIAL_PROGRAMS
+DEEP_PASS_STAGES = 3  # 2x8192x16x128 (256 programs): 2.759 -> 3.053 ms forward+backward with 3
+DEEP_PASS_STAGES_MAX_K = 128
+
+
+def sequential_layout(batch_heads, key_dim, value_dim):
+    """(block_v, output_method, pass_stages) of the sequential passes for B*Hv pairs, K and V (measurements in
+    docs/kernels.md, "Sixth session"). "split" once the fused forward pass fits in one wave (at most two programs
+    per SM); three pipeline stages where there is at most one program per SM, whose shared memory then is free, and
+    K <= DEEP_PASS_STAGES_MAX_K (the reverse pass at K = 256 asked for 252 KB with three)."""
+    block_v = sequential_block_v(batch_heads, value_dim, BLOCK_V)
+    programs = batch_heads * (value_dim // block_v)
+    output_method = "split" if programs <= SPLIT_OUTPUT_MAX_PROGRAMS else "fused"
+    deep = programs <= MIN_SEQUENTIAL_PROGRAMS and key_dim <= DEEP_PASS_STAGES_MAX_K
+    return block_v, output_method, DEEP_PASS_STAGES if deep else None
+
+
+def default_output_method(batch_heads, key_dim, value_dim):
+    return sequential_layout(batch_heads, key_dim, value_dim)[1]
 
 
 def default_grad_method(key_dim):
@@ -1087,18 +1251,24 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
     tolerant = lambda chosen: mode("split" if fp16 and chosen == "bf16" else chosen)
     grad_method = default_grad_method(K)
     grad_bv, grad_bk, grad_k_warps = GRAD_BLOCKS[grad_method]
+    block_v, output_method, pass_stages = sequential_layout(q.shape[0] * v.shape[2], K, V)
     inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), tolerant(STATE_DOTS), tolerant(GRAD_K_DOTS)
     rounded_states = grad_method in ROUNDING_GRAD_METHODS and state_dots == grad_k_dots == "bf16"
     return Config(
         scale=float(scale), chunk_size=chunk_size, key_heads=q.shape[2], value_heads=v.shape[2], delta=delta,
         segmented=segmented, gated=gated, dots=mode(DOTS), state_dots=state_dots,
         inverse_dots=inverse_dots, grad_dots=mode(GRAD_DOTS), grad_k_dots=grad_k_dots,
-        block_v=sequential_block_v(q.shape[0] * v.shape[2], V, BLOCK_V), grad_block_v=min(grad_bv, V),
+        block_v=block_v, grad_block_v=min(grad_bv, V),
         grad_block_k=min(grad_bk or K, K),
         grad_method=grad_method, warps=4, grad_warps=4, grad_k_warps=grad_k_warps,
         inverse_warps=INVERSE_WARPS, inverse_method=FP32_INVERSE_METHOD if fp32 else INVERSE_METHOD, stages=2,
         interpret=interpret, inverse_storage=INVERSE_STORAGE if inverse_dots == "split" else "fp32",
-        state_storage=STATE_STORAGE if rounded_states else "fp32", grads_from_passes=GRADS_FROM_PASSES[grad_method])
+        state_storage=STATE_STORAGE if rounded_states else "fp32", grads_from_passes=GRADS_FROM_PASSES[grad_method],
+        output_method=output_method, pass_stages=pass_stages,
+        # The passes read T's bf16 pair where T's products are "split" and (measured, "Sixth session") it was
+        # faster: the state pass of "split" always, the reverse pass with one program per SM.
+        pass_inverse_storage="split" if output_method == "split" and inverse_dots == "split" else "fp32",
+        reverse_inverse_storage="split" if pass_stages and inverse_dots == "split" else "fp32")
 
 
 def replace_config(cfg, **changes):
@@ -1114,6 +1284,9 @@ def replace_config(cfg, **changes):
         fields["state_storage"] = "fp32"
     if "grads_from_passes" not in changes:
         fields["grads_from_passes"] = GRADS_FROM_PASSES.get(fields["grad_method"], False)
+    for name in ("pass_inverse_storage", "reverse_inverse_storage"):
+        if name not in changes and fields["inverse_dots"] != "split":
+            fields[name] = "fp32"
     return Config(**fields)
 
 

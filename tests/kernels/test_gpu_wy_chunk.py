@@ -40,6 +40,11 @@ GRAD_VARIANTS = {
     "staged": dict(grad_method="staged", grad_block_v=16, grad_block_k=16),
     "staged_recompute": dict(grad_method="staged", grad_block_v=16, grad_block_k=16, grads_from_passes=False),
     "merged": dict(grad_method="merged", grad_block_v=16, grad_block_k=256),
+    # The output methods (`wy_chunk.OUTPUT_METHODS`; the default picks "split" at these sizes): "fused", and
+    # "split" with two V blocks of 16 in the output kernel.
+    "merged_fused_output": dict(grad_method="merged", grad_block_v=16, grad_block_k=256, output_method="fused"),
+    "merged_split_output": dict(grad_method="merged", grad_block_v=16, grad_block_k=256, output_method="split",
+                                output_block_v=16),
 }
 LOWERED_GRAD_VARIANTS = {
     "fused": GRAD_VARIANTS["fused"],
@@ -48,7 +53,20 @@ LOWERED_GRAD_VARIANTS = {
     "staged_v32_k128": dict(grad_method="staged", grad_block_v=32, grad_block_k=128),
     "staged_recompute": dict(grad_method="staged", grad_block_v=64, grad_block_k=64, grads_from_passes=False),
     "merged": dict(grad_method="merged", grad_block_v=32, grad_block_k=256),
+    "merged_fused_output": dict(grad_method="merged", grad_block_v=32, grad_block_k=256, output_method="fused"),
+    "merged_split_output": dict(grad_method="merged", grad_block_v=32, grad_block_k=256, output_method="split"),
+    "merged_split_output_fp32_pass_inverse": dict(grad_method="merged", grad_block_v=32, grad_block_k=256,
+                                                  output_method="split", pass_inverse_storage="fp32"),
+    "merged_passes_read_pair": dict(grad_method="merged", grad_block_v=32, grad_block_k=256, output_method="fused",
+                                    pass_inverse_storage="split", reverse_inverse_storage="split"),
+    "staged_recompute_passes_read_pair": dict(grad_method="staged", grad_block_v=64, grad_block_k=64,
+                                              grads_from_passes=False, pass_inverse_storage="split",
+                                              reverse_inverse_storage="split"),
+    "fused_split_output": dict(grad_method="fused", grad_block_v=32, grad_block_k=256, output_method="split",
+                               output_block_v=64),
 }
+# Both output methods, each forced (the default picks one by shape).
+OUTPUT_VARIANTS = {method: dict(output_method=method) for method in wy_chunk.OUTPUT_METHODS}
 
 
 def _call(fn, x, op, **kwargs):
@@ -126,7 +144,7 @@ CPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("grad", ["fused", "staged"])
+@pytest.mark.parametrize("grad", ["fused", "staged", "merged_fused_output"])
 @pytest.mark.parametrize("op,T,decay,packed,init,heads,dims", CPU_CASES,
                          ids=[f"{c[0]}-T{c[1]}-{c[2]}-{'packed' if c[3] else 'dense'}-{'init' if c[4] else 'zero'}"
                               f"-H{c[5][0]}Hv{c[5][1]}" for c in CPU_CASES])
@@ -334,6 +352,23 @@ def test_sequential_block_v_buys_programs_for_few_heads(batch, heads, V, expecte
     assert cfg.block_v == expected
 
 
+@pytest.mark.parametrize("batch,heads,dtype,expected", [
+    (8, 16, "bfloat16", ("fused", None, "fp32", "fp32")),  # 512 programs: two waves of two per SM
+    (2, 16, "bfloat16", ("split", None, "split", "fp32")),  # 256 programs at BV 16: one wave
+    (1, 16, "bfloat16", ("split", 3, "split", "split")),  # 128 programs: at most one per SM
+    (1, 16, "float32", ("split", 3, "fp32", "fp32")),  # IEEE fp32 products with T: no pair
+])
+@pytest.mark.parametrize("K", [16, 256])
+def test_output_method_and_pass_stages_follow_the_programs(batch, heads, dtype, expected, K):
+    """(output method, pass stages, how the forward and the reverse pass read T) by the passes' programs."""
+    if K == 256:  # three stages' buffers do not fit in shared memory at K = 256: two, and the reverse reads fp32
+        expected = (expected[0], None, expected[2], "fp32")
+    x = rule_inputs(fresh_key(), B=batch, T=1, H=heads, K=K, V=128)
+    q, v = x["q"].astype(dtype), x["v"].astype(dtype)
+    cfg = default_config(q, v, scale=1.0, chunk_size=64, delta=True, segmented=False, interpret=True)
+    assert (cfg.output_method, cfg.pass_stages, cfg.pass_inverse_storage, cfg.reverse_inverse_storage) == expected
+
+
 def test_supports_fails_closed():
     call = dispatch.RuleCall(op="delta_rule", batch=2, seq_len=100, key_heads=2, value_heads=4, key_dim=128,
                              value_dim=128, dtype="bfloat16", decay="scalar", has_initial_state=True,
@@ -397,20 +432,21 @@ def test_inverse_lowers_for_cuda(method):
         assert text.count("__gpu$xla.gpu.triton") == 1, (K, dtype, segmented)
 
 
-def _kernel_count(op, grad_method):
-    """(inverse,) forward pass, reverse pass, gradients (one kernel, or two when staged; linear attention takes
-    "staged" for "merged")."""
+def _kernel_count(op, grad_method, output_method="fused"):
+    """(inverse,) forward pass (and the output kernel of "split"), reverse pass, gradients (one kernel, or two when
+    staged; linear attention takes "staged" for "merged")."""
+    split = output_method == "split"
     if op == "delta_rule":
-        return 4 + (grad_method == "staged")
-    return 3 + (grad_method in ("staged", "merged"))
+        return 4 + (grad_method == "staged") + split
+    return 3 + (grad_method in ("staged", "merged")) + split
 
 
 @pytest.mark.parametrize("op", dispatch.OPS)
 def test_lowers_for_cuda_every_supported_config(op):
     for K, V, dtype in itertools.product(pallas_gpu.HEAD_DIMS, pallas_gpu.HEAD_DIMS, pallas_gpu.LOWERED_DTYPES):
-        kernels = _kernel_count(op, wy_chunk.default_grad_method(K))
+        kernels = _kernel_count(op, wy_chunk.default_grad_method(K), wy_chunk.default_output_method(4, K, V))
         assert _lower_for_cuda(op, K, V, jnp.dtype(dtype)) == kernels, (K, V, dtype)
-    kernels = _kernel_count(op, wy_chunk.default_grad_method(128))
+    kernels = _kernel_count(op, wy_chunk.default_grad_method(128), wy_chunk.default_output_method(4, 128, 128))
     for segmented, init, decay in itertools.product((False, True), repeat=3):
         assert _lower_for_cuda(op, 128, 128, jnp.bfloat16, T=64, segmented=segmented, init=init,
                                decay=decay) == kernels
@@ -421,9 +457,11 @@ def test_lowers_for_cuda_every_supported_config(op):
 def test_lowers_for_cuda_every_grad_method(op, grad):
     """Each gradient variant at the block sizes swept on the H100: every head size (bf16), every mask/gate case."""
     variant = LOWERED_GRAD_VARIANTS[grad]
-    kernels = _kernel_count(op, variant["grad_method"])
+    count = lambda V: _kernel_count(op, variant["grad_method"],
+                                    variant.get("output_method", wy_chunk.default_output_method(4, 128, V)))
     for K, V in itertools.product(pallas_gpu.HEAD_DIMS, pallas_gpu.HEAD_DIMS):
-        assert _lower_for_cuda(op, K, V, jnp.bfloat16, grad=variant) == kernels, (K, V)
+        assert _lower_for_cuda(op, K, V, jnp.bfloat16, grad=variant) == count(V), (K, V)
+    kernels = count(128)
     for segmented, init, decay in itertools.product((False, True), repeat=3):
         assert _lower_for_cuda(op, 128, 128, jnp.bfloat16, T=64, segmented=segmented, init=init, decay=decay,
                                grad=variant) == kernels
@@ -479,6 +517,15 @@ def test_gpu_adversarial_bf16(family):
     x = _round_trip_bf16(_adversarial(fresh_key(), family, B=2, T=500, H=2, Hv=4, K=128, V=128))
     x["scale"] = 128 ** -0.5
     _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)
+
+
+@gpu_only
+@pytest.mark.parametrize("output", list(OUTPUT_VARIANTS))
+@pytest.mark.parametrize("family", ADVERSARIAL)
+def test_gpu_adversarial_output_methods(family, output):
+    x = _round_trip_bf16(_adversarial(fresh_key(), family, B=2, T=500, H=2, Hv=4, K=128, V=128))
+    x["scale"] = 128 ** -0.5
+    _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol, fn=_kernel(OUTPUT_VARIANTS[output]))
 
 
 @gpu_only

@@ -116,8 +116,9 @@ class Config:
     # How the gradient kernels read T (INVERSE_STORAGES): fp32, or "split": its bf16 pair (hi, lo) = split_bf16(T),
     # written once by the inverse kernel next to the fp32 T when the call is differentiated (the gradient kernels
     # then load two bf16 operands instead of holding and splitting an fp32 C x C tile: no register spills in
-    # part 1 on the H100). The sequential passes always read fp32 T: with the pair their pipelined loads took
-    # 122 KB of shared memory, one program per SM, and the forward pass slowed from 0.73 to 0.86 ms (H100).
+    # part 1 on the H100). The sequential passes have storages of their own (`pass_inverse_storage`,
+    # `reverse_inverse_storage`): with two programs per SM the pair slowed them (the fused forward pass from 0.73
+    # to 0.86 ms on 2026-11-24 morning, 0.41 to 0.53 ms in the evening); with one per SM it sped them up.
     inverse_storage: str = "fp32"
     # dtype of the saved chunk start states and end-state cotangents (STATE_STORAGES). "bf16" only where every
     # product that reads them rounds them to bf16 anyway ("staged" gradients, state_dots = grad_k_dots = "bf16").
@@ -397,6 +398,8 @@ def _sequence_specs(cfg, Tp, K, BV, *, pair=False):
         gates=pl.BlockSpec((2, None, Tp, None), lambda j, bh: (0, bh // Hv, 0, bh % Hv)),  # G as (hi, lo)
         seq=pl.BlockSpec((None, Tp), lambda j, bh: (bh // Hv, 0)),
         state=pl.BlockSpec((None, None, K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
+        # Every chunk's state (or state cotangent) of the head, stacked: [B, Hv, nt * K, V].
+        states=pl.BlockSpec((None, None, (Tp // cfg.chunk_size) * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
     )
 
 
@@ -507,7 +510,7 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
     out_specs = [sp["value"], sp["state"]]
     if with_states:
         out_shape.append(jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg)))
-        out_specs.append(pl.BlockSpec((None, None, nt * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)))
+        out_specs.append(sp["states"])
         if _saves_u_dx(cfg):
             out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
             out_specs.append(sp["value"])
@@ -524,16 +527,22 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
     )(q, k, v, beta, t, g, doc, carry, tail, h0)
 
 
+def _pass_layout(cfg, t, B, Tp, K, Hv, V):
+    """BV, chunks, BlockSpecs (`_sequence_specs`, T as `t` is stored) and the first two outputs of the state pass
+    and the reverse pass: one state block (final state, dL/d(initial state)) and every chunk's (start states,
+    end-state cotangents)."""
+    BV = min(cfg.block_v, V)
+    nt = Tp // cfg.chunk_size
+    sp = _sequence_specs(cfg, Tp, K, BV, pair=t.ndim == 5)
+    out_shape = [jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))]
+    return BV, nt, sp, [sp["state"], sp["states"]], out_shape
+
+
 def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0):
     """The sequential pass of "split": (final state, every chunk's start state, u (delta rule only))."""
     B, Tp, H, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
-    BV = min(cfg.block_v, V)
-    nt = Tp // cfg.chunk_size
-    sp = _sequence_specs(cfg, Tp, K, BV, pair=t.ndim == 5)
-    out_specs = [sp["state"], pl.BlockSpec((None, None, nt * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j))]
-    out_shape = [jax.ShapeDtypeStruct((B, Hv, K, V), F32),
-                 jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))]
+    BV, nt, sp, out_specs, out_shape = _pass_layout(cfg, t, B, Tp, K, Hv, V)
     if cfg.delta:
         out_specs.append(sp["value"])
         out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
@@ -611,11 +620,7 @@ def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, ta
 def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal):
     B, Tp, H, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
-    BV = min(cfg.block_v, V)
-    nt = Tp // cfg.chunk_size
-    sp = _sequence_specs(cfg, Tp, K, BV, pair=t.ndim == 5)
-    out_specs = [sp["state"], pl.BlockSpec((None, None, nt * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j))]
-    out_shape = [jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))]
+    BV, nt, sp, out_specs, out_shape = _pass_layout(cfg, t, B, Tp, K, Hv, V)
     if _saves_u_dx(cfg):
         out_specs.append(sp["value"])
         out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))

@@ -43,8 +43,8 @@ fp32 inputs), "tf32", "bf16" (operands rounded), or "split": each fp32 operand x
 hi = bf16(x), lo = bf16(x - hi), and the product is summed from the bf16 dots hi*hi + hi*lo + lo*hi (two dots when
 the other operand is already bf16): ~2^-16 relative error per product at bf16 tensor-core speed. The products that
 keep the bf16 bounds with plainly rounded operands even for correlated keys with beta near 2 have modes of their
-own (`state_dots`: K S_0, Q S_0, K dS and Q^T dO; `grad_k_dots`: the state and dA products of "staged" part 2); which products
-those are was measured per group (docs/kernels.md, "Which products need split").
+own (`state_dots`: K S_0, Q S_0, K dS and Q^T dO; `grad_k_dots`: the state and dA products of "staged" part 2);
+which products those are was measured per group (docs/kernels.md, "Which products need split").
 
 Key heads are indexed, never repeated: value head hv reads key head hv // (Hv // H). Cumulative gates, document
 masks and padding are computed in XLA; d(log_decay) is written per token by the gradient kernels (`_dlog`), with

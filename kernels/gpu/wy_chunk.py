@@ -15,10 +15,11 @@ Linear attention is u = V. Kernels, in the order they run:
 
 - `_inverse_kernel`, grid (chunks, B*Hv): (1)-(2) for one chunk; writes T (C x C, fp32). `Config.inverse_method`:
   "blocks16": the 10 SUB x SUB blocks of A from SUB x SUB x K dots, the 4 diagonal blocks inverted one after
-  another by forward substitution (4 x 15 serial steps), then T_ij = -T_ii sum_m A_im T_mj in SUB x SUB dots.
+  another by forward substitution (4 x 15 serial steps), then T_ij = -T_ii sum_m A_im T_mj in exact SUB x SUB
+  dots.
   "batched16": A by halves of the chunk (three C/2 x C/2 x K dots), the 4 diagonal blocks inverted side by side
   in one loop of 15 steps, merged 16 -> 32 inside each half and 32 -> 64 with C/2 x C/2 dots. Both are exact
-  (IEEE fp32 products, or for 16-bit inputs "batched16"'s exact 3-way bf16 splits); their H100 times are in
+  (IEEE fp32 products, or for 16-bit inputs exact 3-way bf16 splits, `_exact_dot`); their H100 times are in
   docs/kernels.md.
 - The sequential pass over chunks, grid (V/BV, B*Hv), with the fp32 state block S[:, BV] in registers
   (`Config.output_method`): "fused", `_forward_kernel`: (3)-(6) fused; writes O and the final state (and, for the
@@ -329,8 +330,11 @@ def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
     diagonal block inverted by forward substitution (`_unit_lower_inverse`), then T_ij = -T_ii sum_m A_im T_mj
     (j < i, from the rows above) with SUB x SUB dots at IEEE fp32; the row is stored and its A blocks dropped.
     Row by row, only one row of A and one key block at a time are live (the 1-warp program spilled registers
-    holding all 10 blocks of A and all 4 key blocks); the products and their order are those of the whole-matrix
-    form, so T is the same."""
+    holding all 10 blocks of A and all 4 key blocks). For 16-bit inputs the SUB x SUB products are `_exact_dot`'s
+    six bf16 tensor-core dots of exact 3-way splits rather than IEEE fp32 FMAs: the same accuracy (T 7.66e-6 against
+    7.69e-6 from an fp64 inverse, correlated keys with beta near 2) and on the H100 0.169 -> 0.145 ms at
+    8x2048x16x128, 0.334 -> 0.272 ms at 1x32768x16x128 (`experiments/bench_inverse_gpu.py`, docs/kernels.md)."""
+    exact = functools.partial(_exact_dot, fp32=k_ref.dtype == F32)
     nb = cfg.chunk_size // SUB
     blocks = [slice(i * SUB, (i + 1) * SUB) for i in range(nb)]
     row, col = _iota2(SUB, SUB, 0), _iota2(SUB, SUB, 1)
@@ -345,11 +349,11 @@ def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
             kk = _dot(k_i, k_ref[blocks[j], :], tb=True)
             a[j] = beta_i[:, None] * kk * _pair_decay(g_i, _gates(g_ref, blocks[j]), mask)
         t[i, i] = _unit_lower_inverse(a[i])
-        for j in range(i - 1, -1, -1):  # T_ij = -T_ii sum_{j <= m < i} A_im T_mj, all at IEEE fp32
-            acc = _dot(a[j], t[j, j])
+        for j in range(i - 1, -1, -1):  # T_ij = -T_ii sum_{j <= m < i} A_im T_mj, every product exact
+            acc = exact(a[j], t[j, j])
             for m in range(j + 1, i):
-                acc = acc + _dot(a[m], t[m, j])
-            t[i, j] = -_dot(t[i, i], acc)
+                acc = acc + exact(a[m], t[m, j])
+            t[i, j] = -exact(t[i, i], acc)
         for j in range(nb):
             _store_inverse(t_refs, blocks[i], blocks[j], t[i, j] if j <= i else jnp.zeros((SUB, SUB), F32))
 

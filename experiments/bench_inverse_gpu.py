@@ -33,7 +33,8 @@ flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = D, Hv = H).")
 flags.DEFINE_list("variants", ["substitute/ieee", "together/ieee", "unrolled/ieee", "none/ieee", "substitute/none",
                                "together/none", "none/none", "together/split"], "diagonal/off-diagonal.")
 flags.DEFINE_list("warps", ["1"], "Warps per program.")
-flags.DEFINE_integer("iters", 50, "Calls per timing repeat.")
+flags.DEFINE_integer("iters", 50, "Calls per timed queue (`_timing.time_ms`).")
+flags.DEFINE_enum("timing", "marginal", sorted(_timing.METHODS), "How calls are timed (`_timing.time_ms`).")
 flags.DEFINE_bool("interpret", False, "Pallas interpreter (a CPU smoke test).")
 
 SUB = wy_chunk.SUB
@@ -156,7 +157,7 @@ def main(argv):
                         doc = jnp.zeros(k.shape[:2], jnp.int32)
                         return wy_chunk._inverse(cfg, k, beta, g, doc, pair=False, fp32=True)
                     fn = jax.jit(run)
-                    ms = _timing.pipelined_ms(fn, k, beta, log_decay, iters=FLAGS.iters)
+                    ms = _timing.time_ms(fn, k, beta, log_decay, iters=FLAGS.iters, method=FLAGS.timing)
                     ccfg = wy_chunk.replace_config(cfg, key_heads=2, value_heads=2)
                     t = jax.jit(lambda *a: run(*a, cfg=ccfg))(ck, cbeta, clog)
                     err = reference_error(t, ck, cbeta, wy_chunk._in_chunk_cumsum(ccfg, clog), 64)

@@ -21,9 +21,10 @@ import _timing  # experiments/
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = V = D, Hv = H).")
 flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
-flags.DEFINE_bool("pipelined", True, "Time calls queued back to back (device time per call, `_timing.pipelined_ms`); "
-                  "False: each call waited for (`_timing.median_ms`, host latency included).")
-flags.DEFINE_integer("iters", 20, "Timed runs (median reported).")
+flags.DEFINE_enum("timing", "marginal", sorted(_timing.METHODS), "How calls are timed (`_timing.time_ms`): "
+                  "marginal (device time of one more queued call), pipelined (a queue's time per call) or each "
+                  "(each call waited for).")
+flags.DEFINE_integer("iters", 20, "Calls per timed queue (marginal: queues of iters and 3 iters; each: calls).")
 flags.DEFINE_bool("per_kernel", True, "Also time each kernel alone.")
 flags.DEFINE_bool("grads_only", False, "Time only the gradient kernel(s) (`_grads`, its XLA sums included); the "
                   "other columns are left empty (nan).")
@@ -176,7 +177,7 @@ def variant_errors(cfg):
 
 
 def time_ms(fn, *args, iters):
-    return _timing.time_ms(fn, *args, iters=iters, pipelined=FLAGS.pipelined)
+    return _timing.time_ms(fn, *args, iters=iters, method=FLAGS.timing)
 
 
 def _grads(cfg, *args):

@@ -2,11 +2,14 @@
 
     python experiments/bench_rules.py --rule=gated_deltanet --sizes=2x512x4x64 --impls=scan,chunk,chunk_assoc
 
-Each size is BxTxHxD (K = V = D, as many value heads as key heads). Times are device time per call: --iters calls
-queued back to back and waited for once, median of 5 such repeats, after --warmup runs (`_timing.pipelined_ms`;
-what a training step sees, and what `triton.testing.do_bench` reports for the PyTorch/Triton peer). With
---pipelined=false: the median of --iters calls each waited for with block_until_ready (adds the host's dispatch
-and wait, 0.1-0.4 ms per call on the H100). The memory floor counts reading q, k, v, beta and the log-decay once
+Each size is BxTxHxD (K = V = D, as many value heads as key heads). Times are device time per call
+(`--timing=marginal`, `_timing.marginal_ms`): queues of --iters and 3 x --iters calls, each queued back to back
+and waited for once, per call (t(3n) - t(n)) / 2n, median of 5 such pairs, after --warmup runs. That is the
+device's time for one more call, what a long training loop sees and what `triton.testing.do_bench` reports for the
+PyTorch/Triton peer (CUDA events around each call). `--timing=pipelined` is one queue's time per call (it spreads
+the queue's start and final wait over its n calls; the method of earlier tables), `--timing=each` the median of
+calls each waited for with block_until_ready (adds the host's dispatch and wait, 0.1-0.4 ms per call on the H100).
+The memory floor counts reading q, k, v, beta and the log-decay once
 and writing o and the final state once, over --bandwidth_gbs. Forward+backward differentiates a sum of squares of o
 with respect to every floating input (q, k, v, beta, log-decay). "vs chunk" is the XLA chunk form's time over this
 row's (forward / forward+backward), when chunk is among --impls. --peak_memory adds the device's peak bytes in use
@@ -36,8 +39,10 @@ flags.DEFINE_list("impls", ["scan", "chunk", "chunk_assoc"],
                   "registered kernel name (e.g. pallas).")
 flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16", "float16"], "Input dtype.")
 flags.DEFINE_integer("warmup", 2, "Untimed runs before timing.")
-flags.DEFINE_integer("iters", 10, "Timed runs (per repeat with --pipelined; the median is reported).")
-flags.DEFINE_bool("pipelined", True, "Device time per call (calls queued back to back); False: each call waited for.")
+flags.DEFINE_integer("iters", 10, "Calls per timed queue (marginal: queues of iters and 3 iters, median of 5 "
+                     "repeats; each: calls, median).")
+flags.DEFINE_enum("timing", "marginal", sorted(_timing.METHODS), "marginal: device time of one more queued call "
+                  "(`_timing.marginal_ms`); pipelined: a queue's time per call; each: each call waited for.")
 flags.DEFINE_bool("backward", True, "Also time forward+backward.")
 flags.DEFINE_float("bandwidth_gbs", 2500.0, "Memory bandwidth for the floor (H100 measured: about 2500 GB/s).")
 flags.DEFINE_enum("chunk_inverse", "solve", ["blocked", "solve"],
@@ -96,7 +101,8 @@ def main(argv):
         chunk_form.matmul_precision = lambda dtype: jax.lax.Precision.HIGHEST
     device = jax.devices()[0]
     print(f"# chunk form: inverse={FLAGS.chunk_inverse}, precision={FLAGS.chunk_precision}; timing: "
-          + ("device time per call (calls queued back to back)" if FLAGS.pipelined else "each call waited for"))
+          + {"marginal": "device time of one more call in a queue (t(3n) - t(n)) / 2n",
+             "pipelined": "a queue's time per call", "each": "each call waited for"}[FLAGS.timing])
     print(f"# {FLAGS.rule}, {dtype.name}, {device.platform}: {device.device_kind}, jax {jax.__version__}")
     print("| impl | BxTxHxD | fwd ms | fwd+bwd ms | fwd GB/s | floor / fwd | vs chunk (fwd / fwd+bwd) |"
           + (" peak GiB |" if FLAGS.peak_memory else ""))
@@ -117,7 +123,7 @@ def main(argv):
             fn = rule_fn(FLAGS.rule, impl)
             forward = jax.jit(lambda *a: fn(*a)[0])
             try:
-                fwd = _timing.time_ms(forward, *args, iters=FLAGS.iters, warmup=FLAGS.warmup, pipelined=FLAGS.pipelined)
+                fwd = _timing.time_ms(forward, *args, iters=FLAGS.iters, warmup=FLAGS.warmup, method=FLAGS.timing)
             except ValueError as error:  # e.g. a kernel that does not support this size
                 print(f"| {impl} | {size} | unsupported: {error} | | | |")
                 continue
@@ -128,7 +134,7 @@ def main(argv):
                 loss = lambda q, k, v, b, g: jnp.sum(fn(q, k, v, b, g)[0].astype(jnp.float32) ** 2)
                 argnums = tuple(i for i, a in enumerate(args) if a is not None)
                 grad = jax.jit(jax.grad(loss, argnums=argnums))
-                bwd = _timing.time_ms(grad, *args, iters=FLAGS.iters, warmup=FLAGS.warmup, pipelined=FLAGS.pipelined)
+                bwd = _timing.time_ms(grad, *args, iters=FLAGS.iters, warmup=FLAGS.warmup, method=FLAGS.timing)
                 bwd_text = f"{bwd:.3f}"
             if impl == "chunk":
                 chunk_times = (fwd, bwd)

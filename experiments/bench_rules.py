@@ -13,7 +13,8 @@ The memory floor counts reading q, k, v, beta and the log-decay once
 and writing o and the final state once, over --bandwidth_gbs. Forward+backward differentiates a sum of squares of o
 with respect to every floating input (q, k, v, beta, log-decay). "vs chunk" is the XLA chunk form's time over this
 row's (forward / forward+backward), when chunk is among --impls. --peak_memory adds the device's peak bytes in use
-(cumulative over the process: put the largest size last, or run it alone).
+(cumulative over the process: put the largest size last, or run it alone); it needs --timing=each, whose calls
+are each waited for and dropped, so that the peak is one call's and not a queue's outputs.
 
     python experiments/bench_rules.py --impls=chunk,chunk_assoc,pallas \
         --sizes=8x2048x16x128,2x8192x16x128,1x32768x16x128
@@ -50,7 +51,8 @@ flags.DEFINE_enum("chunk_inverse", "solve", ["blocked", "solve"],
 flags.DEFINE_enum("chunk_precision", "auto", ["auto", "highest"],
                   "Matmul precision of the chunk form: by input dtype (auto) or IEEE fp32 always (highest).")
 flags.DEFINE_integer("max_scan_tokens", 1 << 16, "Skip the scan above this many B*T tokens (it is slow).")
-flags.DEFINE_bool("peak_memory", False, "Print the device's peak memory in use after each row.")
+flags.DEFINE_bool("peak_memory", False, "Print the device's peak memory in use after each row (needs --timing=each: "
+                  "a queue of calls keeps every call's outputs alive, which would count in the peak).")
 
 
 def make_inputs(rule, B, T, H, D, dtype, seed=0):
@@ -93,6 +95,9 @@ def floor_bytes(B, T, H, D, dtype, rule):
 
 def main(argv):
     del argv
+    if FLAGS.peak_memory and FLAGS.timing != "each":
+        raise app.UsageError(f"--peak_memory needs --timing=each (got --timing={FLAGS.timing}): queued calls keep "
+                             "their outputs alive and the peak would count them")
     dtype = jnp.dtype(FLAGS.dtype)
     from deltajax.rules import chunk as chunk_form
 

@@ -50,5 +50,5 @@ if want kda_bench; then
 fi
 if want memory; then
   timeout ${MEMORY_TIMEOUT:-200} python3 experiments/bench_rules.py --rule=gated_deltanet --impls=pallas \
-    --sizes=1x65536x16x128 --peak_memory --warmup=1 --iters=3 2>&1 | grep -v Warning | tee "$OUT/memory.log"
+    --sizes=1x65536x16x128 --peak_memory --timing=each --warmup=1 --iters=3 2>&1 | grep -v Warning | tee "$OUT/memory.log"
 fi

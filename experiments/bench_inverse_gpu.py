@@ -7,7 +7,7 @@ Times `wy_chunk._inverse` (T of every chunk, fp32) with the kernel body swapped 
 - how the 4 diagonal 16 x 16 blocks are inverted: "substitute" (forward substitution, 15 serial steps each, the
   kernel's), "merge" (recursive block merges 2 -> 4 -> 8 -> 16, IEEE fp32 dots: 3 levels of two products),
   "merge_split" (the same with `_exact_dot`, six bf16 tensor-core products each), and the ablation "none" (I - A);
-  "together" (the kernel's substitution for all 4 blocks in one loop, `common.unit_lower_inverses`) and
+  "together" (the kernel's substitution for all 4 blocks in one loop, `substitutions_in_one_loop`) and
   "unrolled" (the same written out as straight-line code), "first" (all diagonal blocks of A first, then
   inverted in one loop each);
 - the off-diagonal blocks: "ieee" (the kernel's, 16 IEEE fp32 16 x 16 x 16 products), "split" (`_exact_dot`), and
@@ -55,6 +55,27 @@ def merged_unit_lower_inverse(a, exact_dot):
     return t
 
 
+def substitutions_in_one_loop(mats, unroll):
+    """`common.unit_lower_inverse` of every matrix of `mats` in the same loop steps (their latencies may overlap),
+    or with `unroll` the steps written out as straight-line code."""
+    n = mats[0].shape[0]
+    rows, cols = common.iota2(n, n, 0), common.iota2(n, n, 1)
+
+    def step(i, xs):
+        out = []
+        for a, x in zip(mats, xs):
+            a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)
+            out.append(x - jnp.where(rows == i, jnp.sum(a_i[:, None] * x, axis=0)[None, :], 0.0))
+        return tuple(out)
+
+    xs = tuple(jnp.where(rows == cols, 1.0, 0.0).astype(F32) for _ in mats)
+    if unroll:
+        for i in range(1, n):
+            xs = step(i, xs)
+        return xs
+    return jax.lax.fori_loop(1, n, step, xs)
+
+
 def make_body(diagonal, off_diagonal):
     ieee = lambda a, b: common.dot(a, b, mode="highest")
     split = lambda a, b: wy_chunk._exact_dot(a, b, False)
@@ -83,7 +104,7 @@ def make_body(diagonal, off_diagonal):
             if diagonal == "first":  # computed first, inverted one loop after another
                 diagonals = tuple(common.unit_lower_inverse(a) for a in a_diagonal)
             else:
-                diagonals = common.unit_lower_inverses(a_diagonal, unroll=diagonal == "unrolled")
+                diagonals = substitutions_in_one_loop(a_diagonal, unroll=diagonal == "unrolled")
             t.update({(i, i): x for i, x in enumerate(diagonals)})
         for i in range(nb):
             a = {j: a_block(i, j) for j in range(i if together else i + 1)}

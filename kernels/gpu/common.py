@@ -107,33 +107,17 @@ def last(x):
 
 def unit_lower_inverse(a):
     """(I + a)^-1 for a strictly lower n x n fp32 matrix, by forward substitution row by row (exact fp32; never a
-    Neumann series or doubling, whose powers of a overflow for correlated keys). See `unit_lower_inverses`."""
-    return unit_lower_inverses((a,))[0]
-
-
-def unit_lower_inverses(mats, *, unroll=False):
-    """`unit_lower_inverse` of each matrix of `mats` (a tuple of strictly lower n x n fp32 matrices), all in the
-    same loop: each step's reductions and layout changes wait on the step before, so independent matrices in one
-    loop step overlap their latencies where separate loops would run one after another. `unroll` writes the n - 1
-    steps out as straight-line code (no loop), so that the scheduler can also overlap them with the code around.
+    Neumann series or doubling, whose powers of a overflow for correlated keys).
 
     Invariant: after step i, rows 0..i of x are rows of the inverse; rows below are still identity rows, and
     a[i, j] = 0 for j >= i, so they never contribute to row i.
     """
-    n = mats[0].shape[0]
+    n = a.shape[0]
     rows, cols = iota2(n, n, 0), iota2(n, n, 1)
 
-    def step(i, xs):
-        out = []
-        for a, x in zip(mats, xs):
-            a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # a[i, :]
-            row_i = jnp.sum(a_i[:, None] * x, axis=0)  # sum_j a[i, j] x[j, :]
-            out.append(x - jnp.where(rows == i, row_i[None, :], 0.0))
-        return tuple(out)
+    def step(i, x):
+        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # a[i, :]
+        row_i = jnp.sum(a_i[:, None] * x, axis=0)  # sum_j a[i, j] x[j, :]
+        return x - jnp.where(rows == i, row_i[None, :], 0.0)
 
-    xs = tuple(jnp.where(rows == cols, 1.0, 0.0).astype(F32) for _ in mats)
-    if unroll:
-        for i in range(1, n):
-            xs = step(i, xs)
-        return xs
-    return lax.fori_loop(1, n, step, xs)
+    return lax.fori_loop(1, n, step, jnp.where(rows == cols, 1.0, 0.0).astype(F32))

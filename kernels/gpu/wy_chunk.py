@@ -328,7 +328,7 @@ def _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
 def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
     """T of eq. (2) block by block, one block row at a time: row i's blocks of A from SUB x SUB x K dots, its
     diagonal block inverted by forward substitution (`_unit_lower_inverse`), then T_ij = -T_ii sum_m A_im T_mj
-    (j < i, from the rows above) with SUB x SUB dots at IEEE fp32; the row is stored and its A blocks dropped.
+    (j < i, from the rows above) with exact SUB x SUB dots; the row is stored and its A blocks dropped.
     Row by row, only one row of A and one key block at a time are live (the 1-warp program spilled registers
     holding all 10 blocks of A and all 4 key blocks). For 16-bit inputs the SUB x SUB products are `_exact_dot`'s
     six bf16 tensor-core dots of exact 3-way splits rather than IEEE fp32 FMAs: the same accuracy (T 7.66e-6 against

@@ -153,24 +153,42 @@ def set_horizon(state: dict, horizon: int) -> dict:
 
 # Data workers: forked once per process, before JAX initialises a backend (fork is unsafe after that).
 _POOL = None
+_WORKERS = 0
+# Seconds to wait for one batch from the workers before giving up with an error: a batch takes milliseconds, so
+# only a dead or stuck worker gets near it. `concurrent.futures` (not `multiprocessing.Pool`, which waits forever
+# on the task of a worker that died) turns a dead worker into `BrokenProcessPool` at once.
+BATCH_TIMEOUT_S = 60.0
+
+
+def _warm_up():
+    return os.getpid()
 
 
 def start_data_workers(n: int):
     """Forks `n` processes that build training batches (`batch_stream`); call before anything touches a device."""
-    global _POOL
+    global _POOL, _WORKERS
     if n > 0 and _POOL is None:
+        import concurrent.futures
         import multiprocessing
 
-        _POOL = multiprocessing.get_context("fork").Pool(n)
+        _POOL = concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"))
+        # With "fork" the executor forks all n workers at its first task, before it starts its manager thread;
+        # this task makes that happen now, while the process has no backend threads.
+        _POOL.submit(_warm_up).result(timeout=BATCH_TIMEOUT_S)
+        _WORKERS = n
     return _POOL
 
 
 def stop_data_workers():
-    global _POOL
+    """Ends the workers, killing any that is stuck (the executor's own shutdown, also at exit, would wait for it)."""
+    global _POOL, _WORKERS
     if _POOL is not None:
-        _POOL.terminate()
-        _POOL.join()
-        _POOL = None
+        processes = list(_POOL._processes.values())
+        _POOL.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.kill()
+            process.join()
+        _POOL, _WORKERS = None, 0
 
 
 def _make_batch(source, start: int, size: int) -> dict:
@@ -185,13 +203,17 @@ def batch_stream(source, batch_size: int, *, seed: int, prefetch: int | None = N
         yield from train_iterator(source, batch_size, seed=seed)
         return
     window = collections.deque()
-    ahead = prefetch or 2 * _POOL._processes
+    ahead = prefetch or 2 * _WORKERS
     s = 0
     while True:
         while len(window) < ahead:
-            window.append(_POOL.apply_async(_make_batch, (source, s * batch_size, batch_size)))
+            window.append(_POOL.submit(_make_batch, source, s * batch_size, batch_size))
             s += 1
-        yield window.popleft().get()
+        try:
+            yield window.popleft().result(timeout=BATCH_TIMEOUT_S)
+        except TimeoutError:
+            raise RuntimeError(f"the data workers gave no batch in {BATCH_TIMEOUT_S:.0f} s (a stuck worker); run "
+                               f"with --data_workers=0 to build batches in this process") from None
 
 
 class RunBudget:

@@ -131,47 +131,49 @@ def main(argv):
         return
 
     common.start_data_workers(FLAGS.data_workers)  # forks: before JAX starts a backend
-    impl = common.default_impl(FLAGS.impl)
-    header = common.run_header()
-    settings = {name: FLAGS[name].value for name in ("variants", "widths", "n_layers", "vocab_size", "seq_len",
-                                                      "num_kv_pairs", "train_mixture", "steps", "batch_size",
-                                                      "learning_rate", "eval_batches", "seed", "compute_dtype",
-                                                      "impl", "time_budget_s", "train_seconds", "data_workers")}
-    test_source = MQAR(FLAGS.seq_len, vocab_size=FLAGS.vocab_size, num_kv_pairs=FLAGS.num_kv_pairs,
-                       seed=2 * FLAGS.seed + 1)
-    if FLAGS.train_mixture:
-        settings_mix = [tuple(int(x) for x in item.split(":")) for item in FLAGS.train_mixture]
-        train_source = MQARMixture(tuple(settings_mix), vocab_size=FLAGS.vocab_size, seed=2 * FLAGS.seed)
-    else:
-        train_source = MQAR(FLAGS.seq_len, vocab_size=FLAGS.vocab_size, num_kv_pairs=FLAGS.num_kv_pairs,
-                            seed=2 * FLAGS.seed)
-    print(f"train on {train_source!r}, test on {test_source!r}", flush=True)
-    eval_sets = {"test": common.fixed_batches(test_source, FLAGS.batch_size, FLAGS.eval_batches)}
-    records = []
-    started = time.perf_counter()
-    budget = common.RunBudget(FLAGS.time_budget_s, len(FLAGS.widths) * len(FLAGS.variants))
-    for width in (int(w) for w in FLAGS.widths):
-        for variant in FLAGS.variants:
-            config = common.model_config(variant, vocab_size=FLAGS.vocab_size, d_model=width,
-                                         n_layers=FLAGS.n_layers, impl=impl, chunk_size=64,
-                                         compute_dtype=FLAGS.compute_dtype)
-            share = budget.next_share()
-            print(f"d_model {width} / {variant}: {common.count_parameters(config):,} parameters"
-                  + (f", {share:.0f} s budget" if share is not None else ""), flush=True)
-            result = common.train_and_score(config, train_source, eval_sets, steps=FLAGS.steps,
-                                            batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
-                                            seed=FLAGS.seed, log_every=100, time_budget_s=share,
-                                            eval_reserve_s=budget.eval_reserve(share) if share else 0.0,
-                                            train_seconds=FLAGS.train_seconds)
-            budget.eval_seconds = result["eval_seconds"]
-            result.update(variant=variant, d_model=width, train_data=repr(train_source))
-            records.append(result)
-            print(f"  accuracy {result['accuracy']['test']:.3f} ({result['steps']} steps, {result['rule_impl']}, "
-                  f"{result['train_seconds']:.0f} s)", flush=True)
-            if FLAGS.out:  # after every run: a script cut short keeps what it finished
-                common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, complete=False,
-                                                  seconds=time.perf_counter() - started, runs=records))
-    common.stop_data_workers()
+    try:
+        impl = common.default_impl(FLAGS.impl)
+        header = common.run_header()
+        settings = {name: FLAGS[name].value for name in ("variants", "widths", "n_layers", "vocab_size", "seq_len",
+                                                          "num_kv_pairs", "train_mixture", "steps", "batch_size",
+                                                          "learning_rate", "eval_batches", "seed", "compute_dtype",
+                                                          "impl", "time_budget_s", "train_seconds", "data_workers")}
+        test_source = MQAR(FLAGS.seq_len, vocab_size=FLAGS.vocab_size, num_kv_pairs=FLAGS.num_kv_pairs,
+                           seed=2 * FLAGS.seed + 1)
+        if FLAGS.train_mixture:
+            settings_mix = [tuple(int(x) for x in item.split(":")) for item in FLAGS.train_mixture]
+            train_source = MQARMixture(tuple(settings_mix), vocab_size=FLAGS.vocab_size, seed=2 * FLAGS.seed)
+        else:
+            train_source = MQAR(FLAGS.seq_len, vocab_size=FLAGS.vocab_size, num_kv_pairs=FLAGS.num_kv_pairs,
+                                seed=2 * FLAGS.seed)
+        print(f"train on {train_source!r}, test on {test_source!r}", flush=True)
+        eval_sets = {"test": common.fixed_batches(test_source, FLAGS.batch_size, FLAGS.eval_batches)}
+        records = []
+        started = time.perf_counter()
+        budget = common.RunBudget(FLAGS.time_budget_s, len(FLAGS.widths) * len(FLAGS.variants))
+        for width in (int(w) for w in FLAGS.widths):
+            for variant in FLAGS.variants:
+                config = common.model_config(variant, vocab_size=FLAGS.vocab_size, d_model=width,
+                                             n_layers=FLAGS.n_layers, impl=impl, chunk_size=64,
+                                             compute_dtype=FLAGS.compute_dtype)
+                share = budget.next_share()
+                print(f"d_model {width} / {variant}: {common.count_parameters(config):,} parameters"
+                      + (f", {share:.0f} s budget" if share is not None else ""), flush=True)
+                result = common.train_and_score(config, train_source, eval_sets, steps=FLAGS.steps,
+                                                batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
+                                                seed=FLAGS.seed, log_every=100, time_budget_s=share,
+                                                eval_reserve_s=budget.eval_reserve(share) if share else 0.0,
+                                                train_seconds=FLAGS.train_seconds)
+                budget.eval_seconds = result["eval_seconds"]
+                result.update(variant=variant, d_model=width, train_data=repr(train_source))
+                records.append(result)
+                print(f"  accuracy {result['accuracy']['test']:.3f} ({result['steps']} steps, {result['rule_impl']}, "
+                      f"{result['train_seconds']:.0f} s)", flush=True)
+                if FLAGS.out:  # after every run: a script cut short keeps what it finished
+                    common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, complete=False,
+                                                      seconds=time.perf_counter() - started, runs=records))
+    finally:  # a stuck or failed worker must not keep the process from exiting
+        common.stop_data_workers()
 
     print_table(records)
     total = time.perf_counter() - started

@@ -140,48 +140,50 @@ def main(argv):
         common.tabulate(FLAGS.tabulate, print_table, plot, FLAGS.plot)
         return
     common.start_data_workers(FLAGS.data_workers)  # forks: before JAX starts a backend
-    impl = common.default_impl(FLAGS.impl)
-    header = common.run_header()
-    settings = {name: FLAGS[name].value for name in ("tasks", "variants", "d_model", "n_layers", "train_len",
-                                                      "min_len", "test_len", "modulus", "steps", "batch_size",
-                                                      "learning_rate", "eval_batches", "seed", "chunk_size",
-                                                      "compute_dtype", "time_budget_s", "train_seconds",
-                                                      "data_workers")}
-    records = []
-    started = time.perf_counter()
-    budget = common.RunBudget(FLAGS.time_budget_s, len(FLAGS.tasks) * len(FLAGS.variants))
-    for task in FLAGS.tasks:
-        train_source, chance = task_sources(task, FLAGS.train_len, FLAGS.modulus, seed=2 * FLAGS.seed)
-        test_source, _ = task_sources(task, FLAGS.test_len, FLAGS.modulus, seed=2 * FLAGS.seed + 1)
-        short = common.fixed_batches(task_sources(task, FLAGS.train_len, FLAGS.modulus, 2 * FLAGS.seed + 1)[0],
-                                     FLAGS.batch_size, FLAGS.eval_batches)
-        long = common.fixed_batches(test_source, FLAGS.batch_size, FLAGS.eval_batches)
-        eval_sets = {"train": length_window(short, task, FLAGS.min_len, FLAGS.train_len),
-                     "test": length_window(long, task, FLAGS.train_len, FLAGS.test_len)}
-        for variant in FLAGS.variants:
-            config = common.model_config(variant, vocab_size=train_source.vocab_size, d_model=FLAGS.d_model,
-                                         n_layers=FLAGS.n_layers, impl=impl, chunk_size=FLAGS.chunk_size,
-                                         compute_dtype=FLAGS.compute_dtype)
-            share = budget.next_share()
-            print(f"{task} / {variant}: {common.count_parameters(config):,} parameters"
-                  + (f", {share:.0f} s budget" if share is not None else ""), flush=True)
-            result = common.train_and_score(config, train_source, eval_sets, steps=FLAGS.steps,
-                                            batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
-                                            seed=FLAGS.seed, time_budget_s=share,
-                                            eval_reserve_s=budget.eval_reserve(share) if share else 0.0,
-                                            train_seconds=FLAGS.train_seconds)
-            budget.eval_seconds = result["eval_seconds"]
-            result.update(task=task, variant=variant, chance=chance,
-                          lengths={"train": [FLAGS.min_len, FLAGS.train_len],
-                                   "test": [FLAGS.train_len, FLAGS.test_len]},
-                          scaled_accuracy={k: scaled(v, chance) for k, v in result["accuracy"].items()})
-            records.append(result)
-            print(f"  accuracy {result['accuracy']}, scaled {result['scaled_accuracy']} "
-                  f"({result['steps']} steps, {result['rule_impl']}, {result['train_seconds']:.0f} s)", flush=True)
-            if FLAGS.out:  # after every run: a script cut short keeps what it finished
-                common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, complete=False,
-                                                  seconds=time.perf_counter() - started, runs=records))
-    common.stop_data_workers()
+    try:
+        impl = common.default_impl(FLAGS.impl)
+        header = common.run_header()
+        settings = {name: FLAGS[name].value for name in ("tasks", "variants", "d_model", "n_layers", "train_len",
+                                                          "min_len", "test_len", "modulus", "steps", "batch_size",
+                                                          "learning_rate", "eval_batches", "seed", "chunk_size",
+                                                          "compute_dtype", "time_budget_s", "train_seconds",
+                                                          "data_workers")}
+        records = []
+        started = time.perf_counter()
+        budget = common.RunBudget(FLAGS.time_budget_s, len(FLAGS.tasks) * len(FLAGS.variants))
+        for task in FLAGS.tasks:
+            train_source, chance = task_sources(task, FLAGS.train_len, FLAGS.modulus, seed=2 * FLAGS.seed)
+            test_source, _ = task_sources(task, FLAGS.test_len, FLAGS.modulus, seed=2 * FLAGS.seed + 1)
+            short = common.fixed_batches(task_sources(task, FLAGS.train_len, FLAGS.modulus, 2 * FLAGS.seed + 1)[0],
+                                         FLAGS.batch_size, FLAGS.eval_batches)
+            long = common.fixed_batches(test_source, FLAGS.batch_size, FLAGS.eval_batches)
+            eval_sets = {"train": length_window(short, task, FLAGS.min_len, FLAGS.train_len),
+                         "test": length_window(long, task, FLAGS.train_len, FLAGS.test_len)}
+            for variant in FLAGS.variants:
+                config = common.model_config(variant, vocab_size=train_source.vocab_size, d_model=FLAGS.d_model,
+                                             n_layers=FLAGS.n_layers, impl=impl, chunk_size=FLAGS.chunk_size,
+                                             compute_dtype=FLAGS.compute_dtype)
+                share = budget.next_share()
+                print(f"{task} / {variant}: {common.count_parameters(config):,} parameters"
+                      + (f", {share:.0f} s budget" if share is not None else ""), flush=True)
+                result = common.train_and_score(config, train_source, eval_sets, steps=FLAGS.steps,
+                                                batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
+                                                seed=FLAGS.seed, time_budget_s=share,
+                                                eval_reserve_s=budget.eval_reserve(share) if share else 0.0,
+                                                train_seconds=FLAGS.train_seconds)
+                budget.eval_seconds = result["eval_seconds"]
+                result.update(task=task, variant=variant, chance=chance,
+                              lengths={"train": [FLAGS.min_len, FLAGS.train_len],
+                                       "test": [FLAGS.train_len, FLAGS.test_len]},
+                              scaled_accuracy={k: scaled(v, chance) for k, v in result["accuracy"].items()})
+                records.append(result)
+                print(f"  accuracy {result['accuracy']}, scaled {result['scaled_accuracy']} "
+                      f"({result['steps']} steps, {result['rule_impl']}, {result['train_seconds']:.0f} s)", flush=True)
+                if FLAGS.out:  # after every run: a script cut short keeps what it finished
+                    common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, complete=False,
+                                                      seconds=time.perf_counter() - started, runs=records))
+    finally:  # a stuck or failed worker must not keep the process from exiting
+        common.stop_data_workers()
 
     print_table(records)
     total = time.perf_counter() - started

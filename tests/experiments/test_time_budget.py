@@ -72,7 +72,8 @@ def test_set_horizon_changes_the_schedule_without_recompiling():
 
 
 WORKERS_CHECK = """
-import sys, warnings
+import faulthandler, sys, warnings
+faulthandler.dump_traceback_later(100, exit=True)  # a hang prints where it is instead of only timing out
 warnings.simplefilter("error")  # a fork after JAX started a backend would warn
 sys.path.insert(0, "experiments")
 import numpy as np
@@ -98,6 +99,39 @@ def test_data_workers_build_the_grain_batches():
     result = subprocess.run([sys.executable, "-c", WORKERS_CHECK], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and "same batches" in result.stdout, result.stderr[-3000:]
+
+
+STUCK_WORKER_CHECK = """
+import faulthandler, sys, time
+faulthandler.dump_traceback_later(100, exit=True)
+sys.path.insert(0, "experiments")
+import _synthetic as common
+from deltajax.data import Parity
+
+
+class StuckParity(Parity):
+    def __getitem__(self, index):
+        time.sleep(3600)
+
+
+common.BATCH_TIMEOUT_S = 2.0
+common.start_data_workers(1)
+started = time.perf_counter()
+try:
+    next(common.batch_stream(StuckParity(12), 4, seed=0))
+except RuntimeError as error:
+    print("raised after", round(time.perf_counter() - started), "s:", error)
+common.stop_data_workers()  # kills the stuck worker
+print("stopped")
+"""
+
+
+def test_a_stuck_data_worker_is_an_error_not_a_hang():
+    result = subprocess.run([sys.executable, "-c", STUCK_WORKER_CHECK], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "raised after 2 s: the data workers gave no batch in 2 s" in result.stdout, result.stdout + result.stderr
+    assert "stopped" in result.stdout
 
 
 def test_a_run_fits_its_schedule_to_its_budget():

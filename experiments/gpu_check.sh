@@ -26,11 +26,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv |
 python3 -c "import jax, deltajax; print(jax.__version__, jax.devices(), sorted(deltajax.rules.dispatch.implementations('delta_rule')))" | tee -a "$OUT/device.txt"
 if want sweep; then
   timeout ${SWEEP_TIMEOUT:-200} python3 experiments/bench_pallas_gpu.py --sizes="$SWEEP_SIZES" --variants="$SWEEP_VARIANTS" 2>&1 \
-    | grep -v Warning | tee "$OUT/sweep.log"
+    | grep --line-buffered -v Warning | tee "$OUT/sweep.log"
 fi
 if want precision; then
   timeout ${PRECISION_TIMEOUT:-120} python3 experiments/kernel_precision.py --size="${PRECISION_SIZE:-2x1024x2x128}" \
-    --variants="${PRECISION_VARIANTS:-default}" 2>&1 | grep -v Warning | tee "$OUT/precision.log"
+    --variants="${PRECISION_VARIANTS:-default}" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/precision.log"
 fi
 if want tests; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider $PARALLEL tests/kernels/test_gpu_wy_chunk.py -k "${TESTS:-gpu_bf16 or gpu_fp32 or gpu_adversarial or gpu_dispatch}" \
@@ -42,13 +42,13 @@ if want kda_tests; then
 fi
 if want bench; then
   timeout ${BENCH_TIMEOUT:-240} python3 experiments/bench_rules.py --rule=gated_deltanet --impls="$BENCH_IMPLS" \
-    --sizes="$BENCH_SIZES" ${BENCH_EXTRA:-} 2>&1 | grep -v Warning | tee "$OUT/bench.log"
+    --sizes="$BENCH_SIZES" ${BENCH_EXTRA:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/bench.log"
 fi
 if want kda_bench; then
   timeout ${KDA_BENCH_TIMEOUT:-200} python3 experiments/bench_rules.py --rule=kda --impls="${KDA_BENCH_IMPLS:-pallas}" \
-    --sizes="$BENCH_SIZES" ${BENCH_EXTRA:-} 2>&1 | grep -v Warning | tee "$OUT/bench_kda.log"
+    --sizes="$BENCH_SIZES" ${BENCH_EXTRA:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/bench_kda.log"
 fi
 if want memory; then
   timeout ${MEMORY_TIMEOUT:-200} python3 experiments/bench_rules.py --rule=gated_deltanet --impls=pallas \
-    --sizes=1x65536x16x128 --peak_memory --timing=each --warmup=1 --iters=3 2>&1 | grep -v Warning | tee "$OUT/memory.log"
+    --sizes=1x65536x16x128 --peak_memory --timing=each --warmup=1 --iters=3 2>&1 | grep --line-buffered -v Warning | tee "$OUT/memory.log"
 fi

@@ -26,7 +26,10 @@ Linear attention is u = V. Kernels, in the order they run:
   backward, every chunk's start state and u). "split" (the default when the passes have at most two programs per
   SM): `_state_kernel` does (3), (4), (6) alone and writes every chunk's start state and u, then
   `_output_kernel`, grid (V/BV, chunks, B*Hv), does (5) chunk-parallel. With few programs the pass is bound by
-  the latency of each step's dependency chain, and "split" leaves only that chain in it.
+  the latency of each step's dependency chain, and "split" leaves only that chain in it. "folded" shortens the
+  chain itself: the inverse kernel also writes Z = diag(beta) T^T K_end, so that (4) and (6) become one product,
+  S_end = carry_C exp(G_C) S_0 + Z^T y (`_folded_state_kernel`), and the output kernel forms u from y
+  (`_folded_output_kernel`).
 - `_reverse_kernel`, grid (V/BV, B*Hv): the sequential pass backwards, carrying dL/dS; writes every chunk's
   end-state cotangent, dL/d(initial_state) and (for the gradients) dx = T^T du.
 - The gradients, chunk-parallel, from the saved start states and end-state cotangents (`Config.grad_method`):
@@ -131,7 +134,10 @@ class Config:
     # Where O (eq. 5) is computed (OUTPUT_METHODS): "fused", inside the forward pass; "split", chunk-parallel by
     # `_output_kernel` after a pass that carries only the state and writes every start state (`state_storage`) and
     # u. "split" moves Q K^T, Q S_0 and P u off the pass's dependency chain at the price of writing and reading
-    # the states and u (which the backward saves anyway).
+    # the states and u (which the backward saves anyway). "folded" (delta rule; linear attention takes "split"):
+    # the inverse kernel also writes Z = diag(beta) T^T K_end, the pass does S_end = survive S_0 + Z^T y with two
+    # dependent products per chunk instead of three and forms no u, and `_folded_output_kernel` forms u (and
+    # writes it when the gradients read it). Not yet timed on a GPU (docs/kernels.md, "Eighth session").
     output_method: str = "fused"
     output_block_v: int = 128  # BV of `_output_kernel`
     output_warps: int = 4

@@ -238,6 +238,36 @@ class RunBudget:
         return min(max(0.1 * share, measured), 0.5 * share)
 
 
+def train_in_budget(label: str, config: ModelConfig, train_source, eval_sets: dict, budget: RunBudget,
+                    **train_kwargs) -> dict:
+    """One run of a script: prints its label, parameter count and share of the script's budget, then
+    `train_and_score` within that share (keeping back the evaluation's reserve); records the evaluation time."""
+    share = budget.next_share()
+    print(f"{label}: {count_parameters(config):,} parameters" + (f", {share:.0f} s budget" if share is not None else ""),
+          flush=True)
+    result = train_and_score(config, train_source, eval_sets, time_budget_s=share,
+                             eval_reserve_s=budget.eval_reserve(share) if share else 0.0, **train_kwargs)
+    budget.eval_seconds = result["eval_seconds"]
+    return result
+
+
+def write_runs(path: str | None, base: dict, records: list, started: float, *, complete: bool = False):
+    """Writes a script's record (`base`: header, settings, ...) with its runs so far to `path` (if any); scripts
+    call it after every run, so that one cut short keeps what it finished."""
+    if path:
+        write_json(path, dict(base, complete=complete, seconds=time.perf_counter() - started, runs=records))
+
+
+def finish_runs(records: list, base: dict, started: float, *, out: str | None, plot_path: str | None, print_table,
+                plot_fn):
+    """The end of a script: its table, total time, complete record and plot."""
+    print_table(records)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s on {base['device']}")
+    write_runs(out, base, records, started, complete=True)
+    if plot_path:
+        try_plot(plot_fn, records, plot_path)
+
+
 def make_predict(graphdef):
     @jax.jit
     def predict(params, rest, inputs):

@@ -148,6 +148,7 @@ def main(argv):
                                 seed=2 * FLAGS.seed)
         print(f"train on {train_source!r}, test on {test_source!r}", flush=True)
         eval_sets = {"test": common.fixed_batches(test_source, FLAGS.batch_size, FLAGS.eval_batches)}
+        base = dict(header, impl=impl, settings=settings)
         records = []
         started = time.perf_counter()
         budget = common.RunBudget(FLAGS.time_budget_s, len(FLAGS.widths) * len(FLAGS.variants))
@@ -156,33 +157,20 @@ def main(argv):
                 config = common.model_config(variant, vocab_size=FLAGS.vocab_size, d_model=width,
                                              n_layers=FLAGS.n_layers, impl=impl, chunk_size=64,
                                              compute_dtype=FLAGS.compute_dtype)
-                share = budget.next_share()
-                print(f"d_model {width} / {variant}: {common.count_parameters(config):,} parameters"
-                      + (f", {share:.0f} s budget" if share is not None else ""), flush=True)
-                result = common.train_and_score(config, train_source, eval_sets, steps=FLAGS.steps,
-                                                batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
-                                                seed=FLAGS.seed, log_every=100, time_budget_s=share,
-                                                eval_reserve_s=budget.eval_reserve(share) if share else 0.0,
+                result = common.train_in_budget(f"d_model {width} / {variant}", config, train_source, eval_sets,
+                                                budget, steps=FLAGS.steps, batch_size=FLAGS.batch_size,
+                                                learning_rate=FLAGS.learning_rate, seed=FLAGS.seed, log_every=100,
                                                 train_seconds=FLAGS.train_seconds)
-                budget.eval_seconds = result["eval_seconds"]
                 result.update(variant=variant, d_model=width, train_data=repr(train_source))
                 records.append(result)
                 print(f"  accuracy {result['accuracy']['test']:.3f} ({result['steps']} steps, {result['rule_impl']}, "
                       f"{result['train_seconds']:.0f} s)", flush=True)
-                if FLAGS.out:  # after every run: a script cut short keeps what it finished
-                    common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, complete=False,
-                                                      seconds=time.perf_counter() - started, runs=records))
+                common.write_runs(FLAGS.out, base, records, started)
     finally:  # a stuck or failed worker must not keep the process from exiting
         common.stop_data_workers()
 
-    print_table(records)
-    total = time.perf_counter() - started
-    print(f"\ntotal {total:.0f} s on {header['device']}")
-    if FLAGS.out:
-        common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, complete=True, seconds=total,
-                                          runs=records))
-    if FLAGS.plot:
-        common.try_plot(plot, records, FLAGS.plot)
+    common.finish_runs(records, base, started, out=FLAGS.out, plot_path=FLAGS.plot, print_table=print_table,
+                       plot_fn=plot)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,7 @@ def main(argv):
                                                           "learning_rate", "eval_batches", "seed", "chunk_size",
                                                           "compute_dtype", "time_budget_s", "train_seconds",
                                                           "data_workers")}
+        base = dict(header, impl=impl, settings=settings)
         records = []
         started = time.perf_counter()
         budget = common.RunBudget(FLAGS.time_budget_s, len(FLAGS.tasks) * len(FLAGS.variants))
@@ -163,15 +164,10 @@ def main(argv):
                 config = common.model_config(variant, vocab_size=train_source.vocab_size, d_model=FLAGS.d_model,
                                              n_layers=FLAGS.n_layers, impl=impl, chunk_size=FLAGS.chunk_size,
                                              compute_dtype=FLAGS.compute_dtype)
-                share = budget.next_share()
-                print(f"{task} / {variant}: {common.count_parameters(config):,} parameters"
-                      + (f", {share:.0f} s budget" if share is not None else ""), flush=True)
-                result = common.train_and_score(config, train_source, eval_sets, steps=FLAGS.steps,
-                                                batch_size=FLAGS.batch_size, learning_rate=FLAGS.learning_rate,
-                                                seed=FLAGS.seed, time_budget_s=share,
-                                                eval_reserve_s=budget.eval_reserve(share) if share else 0.0,
+                result = common.train_in_budget(f"{task} / {variant}", config, train_source, eval_sets, budget,
+                                                steps=FLAGS.steps, batch_size=FLAGS.batch_size,
+                                                learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
                                                 train_seconds=FLAGS.train_seconds)
-                budget.eval_seconds = result["eval_seconds"]
                 result.update(task=task, variant=variant, chance=chance,
                               lengths={"train": [FLAGS.min_len, FLAGS.train_len],
                                        "test": [FLAGS.train_len, FLAGS.test_len]},
@@ -179,20 +175,12 @@ def main(argv):
                 records.append(result)
                 print(f"  accuracy {result['accuracy']}, scaled {result['scaled_accuracy']} "
                       f"({result['steps']} steps, {result['rule_impl']}, {result['train_seconds']:.0f} s)", flush=True)
-                if FLAGS.out:  # after every run: a script cut short keeps what it finished
-                    common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, complete=False,
-                                                      seconds=time.perf_counter() - started, runs=records))
+                common.write_runs(FLAGS.out, base, records, started)
     finally:  # a stuck or failed worker must not keep the process from exiting
         common.stop_data_workers()
 
-    print_table(records)
-    total = time.perf_counter() - started
-    print(f"\ntotal {total:.0f} s on {header['device']}")
-    if FLAGS.out:
-        common.write_json(FLAGS.out, dict(header, impl=impl, settings=settings, complete=True, seconds=total,
-                                          runs=records))
-    if FLAGS.plot:
-        common.try_plot(plot, records, FLAGS.plot)
+    common.finish_runs(records, base, started, out=FLAGS.out, plot_path=FLAGS.plot, print_table=print_table,
+                       plot_fn=plot)
 
 
 if __name__ == "__main__":

@@ -160,10 +160,6 @@ _WORKERS = 0
 BATCH_TIMEOUT_S = 60.0
 
 
-def _warm_up():
-    return os.getpid()
-
-
 def start_data_workers(n: int):
     """Forks `n` processes that build training batches (`batch_stream`); call before anything touches a device."""
     global _POOL, _WORKERS
@@ -174,7 +170,7 @@ def start_data_workers(n: int):
         _POOL = concurrent.futures.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"))
         # With "fork" the executor forks all n workers at its first task, before it starts its manager thread;
         # this task makes that happen now, while the process has no backend threads.
-        _POOL.submit(_warm_up).result(timeout=BATCH_TIMEOUT_S)
+        _POOL.submit(os.getpid).result(timeout=BATCH_TIMEOUT_S)
         _WORKERS = n
     return _POOL
 

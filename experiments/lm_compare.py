@@ -118,6 +118,7 @@ def main(argv):
                                                       "seq_len", "batch_size", "steps", "learning_rate",
                                                       "eval_every", "eval_batches", "seed", "compute_dtype",
                                                       "time_budget_s")}
+    base = dict(header, impl=impl, corpus=data.description, settings=settings)
     records = []
     started = time.perf_counter()
     budget = common.RunBudget(FLAGS.time_budget_s, len(FLAGS.variants))
@@ -150,20 +151,10 @@ def main(argv):
                             rule_impl=common.rule_impl(model, FLAGS.batch_size, FLAGS.seq_len),
                             evals=[r for r in logged if r.get("kind") == "eval"],
                             train=[(r["step"], r["loss"]) for r in logged if r.get("kind") == "train"]))
-        if FLAGS.out:  # after every run: a script cut short keeps what it finished
-            common.write_json(FLAGS.out, dict(header, impl=impl, corpus=data.description, settings=settings,
-                                              complete=False, seconds=time.perf_counter() - started,
-                                              runs=records))
+        common.write_runs(FLAGS.out, base, records, started)
 
-    print_table(records)
-    total = time.perf_counter() - started
-    print(f"\ntotal {total:.0f} s on {header['device']}")
-    if FLAGS.out:
-        common.write_json(FLAGS.out, dict(header, impl=impl, corpus=data.description, settings=settings,
-                                          complete=True, seconds=total, runs=records))
-    if FLAGS.plot:
-        common.try_plot(plot, records, FLAGS.plot)
-
+    common.finish_runs(records, base, started, out=FLAGS.out, plot_path=FLAGS.plot, print_table=print_table,
+                       plot_fn=plot)
 
 if __name__ == "__main__":
     app.run(main)

@@ -137,7 +137,9 @@ class Config:
     # the states and u (which the backward saves anyway). "folded" (delta rule; linear attention takes "split"):
     # the inverse kernel also writes Z = diag(beta) T^T K_end, the pass does S_end = survive S_0 + Z^T y with two
     # dependent products per chunk instead of three and forms no u, and `_folded_output_kernel` forms u (and
-    # writes it when the gradients read it). Not yet timed on a GPU (docs/kernels.md, "Eighth session").
+    # writes it when the gradients read it). Slower on the H100 (2026-11-25: forward 2.42 against 1.81 ms at
+    # 1x32768x16x128, the inverse kernel 0.27 -> 0.99 ms for a pass 0.08 ms faster; docs/kernels.md, "Eighth
+    # session"), so never picked by default.
     output_method: str = "fused"
     output_block_v: int = 128  # BV of `_output_kernel`
     output_warps: int = 4

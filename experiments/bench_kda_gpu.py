@@ -52,6 +52,11 @@ VARIANTS = {
     "pair_warps4": dict(pair_warps=4),
     "stages1": dict(stages=1),
     "stages3": dict(stages=3),
+    # Config.forward="split": a pass carrying only the state, then the output chunk-parallel (not yet timed).
+    "split_forward": dict(forward="split"),
+    "split_forward_obv32": dict(forward="split", output_block_v=32),
+    "split_forward_obv128": dict(forward="split", output_block_v=128),
+    "split_forward_warps8": dict(forward="split", warps=8),
 }
 
 

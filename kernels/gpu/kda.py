@@ -38,6 +38,8 @@ the index maps, never a repeated copy):
   for one chunk; writes P and T (C x C fp32 each) and, for the backward, R (strict, same document).
 - `_forward_kernel`, grid (V/BV, B*Hv): `fori_loop` over the chunks with the fp32 state block S[:, BV] (K x BV) in
   registers, (4)-(6); writes O, the final state and, for the backward, every chunk's start state.
+  With `Config.forward="split"` instead: `_state_kernel` (same grid and loop, (4) and (6) only, always writing the
+  start states), then `_output_kernel`, grid (V/BV_out, chunks, B*Hv), (4) and (5) from the saved start states.
 - `_reverse_kernel`, grid (V/BV, B*Hv): the same loop backwards carrying dL/dS; writes every chunk's end-state
   cotangent and dL/d(initial_state).
 - `_grad_v_kernel`, grid (chunks, B*Hv): the V contractions of one chunk, chunk-parallel, from the saved start
@@ -91,9 +93,15 @@ INVERSE_METHODS = ("rows", "blocks")
 # (measured faster on the H100); "blocks": 16 x 16 blocks from 16-row ref slices (measured 2.4x slower: 12.7 ms
 # against 5.2 ms at 8x2048x16x128 bf16).
 PREPARE_METHODS = ("partner", "blocks")
+# "fused": one sequential pass does (4)-(6) and writes O. "split": the pass carries only the state ((4) and (6):
+# no q, no P, two of the five products) and writes every chunk's start state; `_output_kernel` then does (4)
+# and (5) chunk-parallel from those states. On the H100 the fused pass measured 3.8 ms at 8x2048x16x128 bf16
+# against a ~0.4 ms floor, with far more live C x K fp32 values than registers; "split" is the Gated DeltaNet
+# kernels' answer to the same problem (docs/kernels.md).
+FORWARD_METHODS = ("fused", "split")
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
 
-__all__ = ["CHUNK_SIZES", "DOT_MODES", "INVERSE_METHODS", "MAX_HEAD_DIM", "PREPARE_METHODS", "Config", "default_config",
+__all__ = ["CHUNK_SIZES", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM", "PREPARE_METHODS", "Config", "default_config",
            "kda_chunk"]
 
 
@@ -117,6 +125,8 @@ class Config:
     pair_warps: int  # gradient kernel of the pair terms
     stages: int
     interpret: bool
+    forward: str = "fused"  # FORWARD_METHODS
+    output_block_v: int = 64  # BV of `_output_kernel` ("split")
 
 
 def _masked_exp(mask, x):
@@ -471,6 +481,8 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
         raise ValueError(f"config.prepare must be one of {PREPARE_METHODS}, got {cfg.prepare!r}")
     if cfg.dots not in DOT_MODES:
         raise ValueError(f"config.dots must be one of {DOT_MODES}, got {cfg.dots!r}")
+    if cfg.forward not in FORWARD_METHODS:
+        raise ValueError(f"config.forward must be one of {FORWARD_METHODS}, got {cfg.forward!r}")
     B, Tp, _, K = q.shape
     Hv, C = cfg.value_heads, cfg.chunk_size
     sp = _chunk_specs(cfg, K, K)
@@ -530,7 +542,87 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, carry_ref, ta
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
 
 
+def _state_kernel(k_ref, v_ref, beta_ref, g_ref, glo_ref, carry_ref, tail_ref, t_ref, h0_ref, final_ref,
+                  states_ref, *, cfg: Config, nt: int):
+    """`Config.forward="split"`: (4) and (6) only, writing every chunk's start state."""
+    C, mode = cfg.chunk_size, cfg.dots
+    K = k_ref.shape[-1]
+    geo = _geometry(C)
+
+    def chunk(i, s):
+        rows = pl.ds(pl.multiple_of(i * C, C), C)
+        states_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = s
+        k = k_ref[rows, :].astype(F32)
+        bound = _boundary(geo, g_ref[rows, :], glo_ref[rows, :], carry_ref[rows], tail_ref[rows])
+        y = v_ref[rows, :].astype(F32) - _dot(bound.a * k, s, mode=mode)
+        u = _dot(t_ref[rows, :], beta_ref[rows][:, None] * y, mode=mode)
+        return bound.gamma[:, None] * s + _dot(bound.e * k, u, ta=True, mode=mode)
+
+    final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
+
+
+def _output_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, carry_ref, t_ref, p_ref, s_ref, o_ref, *,
+                   cfg: Config):
+    """`Config.forward="split"`: (4) and (5) for one chunk and V block from its saved start state; the same
+    operations as the pass's, so u is the value the pass carried on."""
+    mode = cfg.dots
+    q, k, s = q_ref[...].astype(F32), k_ref[...].astype(F32), s_ref[...]
+    a = carry_ref[...][:, None] * jnp.exp(g_ref[...] + glo_ref[...])  # G <= 0 inside the chunk: no overflow
+    y = v_ref[...].astype(F32) - _dot(a * k, s, mode=mode)
+    u = _dot(t_ref[...], beta_ref[...][:, None] * y, mode=mode)
+    o = cfg.scale * (_dot(a * q, s, mode=mode) + _dot(p_ref[...], u, mode=mode))
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+def _split_forward(cfg, q, k, v, beta, g, glo, carry, tail, t, p, h0):
+    """(O, final state, start states) by `_state_kernel` then `_output_kernel`."""
+    B, Tp, _, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    C, G = cfg.chunk_size, cfg.value_heads // cfg.key_heads
+    nt = Tp // C
+    BV = min(cfg.block_v, V)
+    sp = _sequence_specs(cfg, Tp, K, BV)
+    final, starts = pl.pallas_call(
+        functools.partial(_state_kernel, cfg=cfg, nt=nt),
+        grid=(V // BV, B * Hv),
+        in_specs=[sp["key"], sp["value"], sp["gate"], sp["channel"], sp["channel"], sp["seq"], sp["seq"],
+                  sp["square"], sp["state"]],
+        out_specs=[sp["state"], sp["states"]],
+        out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32)],
+        compiler_params=_params(cfg.warps, cfg.stages),
+        interpret=cfg.interpret,
+        name="kda_state_pass",
+    )(k, v, beta, g, glo, carry, tail, t, h0)
+    OV = min(cfg.output_block_v, V)
+    head = lambda i, bh: (bh // Hv, i, bh % Hv)
+    o = pl.pallas_call(
+        functools.partial(_output_kernel, cfg=cfg),
+        grid=(V // OV, nt, B * Hv),
+        in_specs=[
+            pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0)),  # q
+            pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0)),  # k
+            pl.BlockSpec((None, C, None, OV), lambda j, i, bh: head(i, bh) + (j,)),  # v
+            pl.BlockSpec((None, C, None), lambda j, i, bh: head(i, bh)),  # beta
+            pl.BlockSpec((None, C, None, K), lambda j, i, bh: head(i, bh) + (0,)),  # G hi
+            pl.BlockSpec((None, C, None, K), lambda j, i, bh: head(i, bh) + (0,)),  # G lo
+            pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),  # carry
+            pl.BlockSpec((None, C, None, C), lambda j, i, bh: head(i, bh) + (0,)),  # T
+            pl.BlockSpec((None, C, None, C), lambda j, i, bh: head(i, bh) + (0,)),  # P
+            pl.BlockSpec((None, None, K, OV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j)),  # start state
+        ],
+        out_specs=pl.BlockSpec((None, C, None, OV), lambda j, i, bh: head(i, bh) + (j,)),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype),
+        compiler_params=_params(cfg.warps, cfg.stages),
+        interpret=cfg.interpret,
+        name="kda_output",
+    )(q, k, v, beta, g, glo, carry, t, p, starts)
+    return o, final, starts
+
+
 def _forward_pass(cfg, q, k, v, beta, g, glo, carry, tail, t, p, h0, *, with_states):
+    if cfg.forward == "split":
+        o, final, starts = _split_forward(cfg, q, k, v, beta, g, glo, carry, tail, t, p, h0)
+        return (o, final, starts) if with_states else (o, final)
     B, Tp, _, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     BV = min(cfg.block_v, V)

@@ -209,8 +209,10 @@ def test_other_chunk_sizes(chunk_size):
 
 @pytest.mark.parametrize("overrides", [dict(inverse="blocks"), dict(prepare="blocks"),
                                        dict(prepare="blocks", inverse="blocks"), dict(block_v=32, grad_block_v=16),
-                                       dict(block_v=64)],
-                         ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks", "wide_v_blocks"])
+                                       dict(block_v=64), dict(forward="split"),
+                                       dict(forward="split", block_v=16, output_block_v=32)],
+                         ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks", "wide_v_blocks",
+                              "split_forward", "split_forward_v_blocks"])
 def test_config_variants_fp32(overrides):
     """`Config.inverse="blocks"` (16 x 16 substitutions + block merges, the 16-bit default), the 16 x 16 block
     prepare kernel and other V blocks meet the fp32 bounds on ordinary input."""
@@ -223,6 +225,32 @@ def test_config_variants_fp32(overrides):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, inverse="neumann")), x)
     with pytest.raises(ValueError, match="prepare"):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, prepare="dense")), x)
+    with pytest.raises(ValueError, match="forward"):
+        _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, forward="chunked")), x)
+
+
+@pytest.mark.parametrize("family", ADVERSARIAL)
+def test_split_forward_adversarial_fp32(family):
+    """`Config.forward="split"` (state pass, then the output chunk-parallel from the saved start states) on the
+    adversarial families, at the bounds of the fused pass."""
+    x = _adversarial(family)
+    cfg = default_config(x["q"], x["v"], scale=x.get("scale", 0.3), chunk_size=64,
+                         segmented=x["segment_ids"] is not None, interpret=not ON_GPU)
+    fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, forward="split"))
+    out_tol = FP32_OUT_TOL
+    if family == "correlated_keys_beta_near_2":  # the conditioning of every chunked form (test_adversarial_fp32)
+        out_tol = max(FP32_OUT_TOL, 2.0 * _chunk_form_error(x))
+    _check(x, out_tol, _fp32_grad_tol, fn=fn, label=f"split-{family}")
+
+
+def test_split_forward_bf16_in_interpreter():
+    """The split forward with the 16-bit path's "split" products, at the bf16 bounds."""
+    x = _round_trip_bf16(_inputs(T=130, B=1, K=32, V=32))
+    x["scale"] = 32 ** -0.5
+    cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
+    assert cfg.dots == "split"
+    fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, forward="split"))
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label="split-forward-bf16")
 
 
 @pytest.mark.parametrize("batch,heads,V,expected", [(8, 16, 128, 64), (2, 16, 128, 32), (1, 16, 128, 32),
@@ -409,13 +437,23 @@ CONFIG_VARIANTS = {
     "few_warps": dict(warps=2, prepare_warps=2, grad_warps=2, pair_warps=2),
     "blocks_v": dict(block_v=32, grad_block_v=64),
     "stages": dict(stages=3),
+    "split_forward": dict(forward="split"),
+    "split_forward_blocks": dict(forward="split", block_v=32, output_block_v=128, warps=8),
 }
 
 
 @pytest.mark.parametrize("variant", list(CONFIG_VARIANTS))
 def test_lowers_for_cuda_config_variants(variant):
+    # "split" runs the forward as two kernels (state pass, then output): one more in each count.
+    expected = (3, 6) if CONFIG_VARIANTS[variant].get("forward") == "split" else (2, 5)
     for dtype in (jnp.bfloat16, jnp.float32):
-        assert _lower_for_cuda(128, 128, dtype, T=64, overrides=CONFIG_VARIANTS[variant]) == (2, 5), dtype
+        assert _lower_for_cuda(128, 128, dtype, T=64, overrides=CONFIG_VARIANTS[variant]) == expected, dtype
+
+
+def test_split_forward_lowers_for_cuda_every_supported_config():
+    for (K, V), dtype in itertools.product(itertools.product(pallas_gpu.KDA_HEAD_DIMS, repeat=2),
+                                           (jnp.bfloat16, jnp.float32)):
+        assert _lower_for_cuda(K, V, dtype, overrides=dict(forward="split")) == (3, 6), (K, V, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -80,11 +80,6 @@ VARIANTS = {
     "split_pstages3_prefetch": dict(output_method="split", pass_stages=3, prefetch=True),
     "fused_pstages3": dict(output_method="fused", pass_stages=3),
     "fused": dict(output_method="fused"),
-    # "folded": the state pass reads Z = diag(beta) T^T K_end (written by the inverse kernel) and forms no u.
-    "folded": dict(output_method="folded"),
-    "folded_obv64": dict(output_method="folded", output_block_v=64),
-    "folded_pstages2": dict(output_method="folded", pass_stages=2),
-    "folded_bv32": dict(output_method="folded", block_v=32),
     # How the passes read T (fp32, or its bf16 pair "split"): forward pass / reverse pass.
     "fused_pair": dict(output_method="fused", pass_inverse_storage="split", reverse_inverse_storage="split"),
     "split_fp32_t": dict(output_method="split", pass_inverse_storage="fp32", reverse_inverse_storage="fp32"),
@@ -224,7 +219,7 @@ def main(argv):
                     doc = jnp.zeros((B, T), jnp.int32)
                     ones = jnp.ones((B, T), jnp.float32)
                     h0 = jnp.zeros((B, H, D, D), jnp.float32)
-                    inv = jax.jit(lambda k, b, g: wy_chunk._inverses(cfg, k, b, g, doc, ones))  # the forward's T
+                    inv = jax.jit(lambda k, b, g: wy_chunk._inverses(cfg, k, b, g, doc))  # the forward's T
                     # The gradient kernels' inputs depend on no grad_* field but grad_dots: made once per size.
                     key = (size, cfg.state_storage, cfg.grads_from_passes, wy_chunk.replace_config(
                         cfg, grad_block_v=0, grad_block_k=0, grad_method="", grad_warps=0, grad_k_warps=0,
@@ -240,7 +235,7 @@ def main(argv):
                     o, final, starts, *u = fwd1(q, k, v, beta, t, g)
                     rev = jax.jit(lambda q, k, b, t, g, do, df: wy_chunk._reverse_pass(
                         cfg, q, k, b, t, g, doc, ones, ones, do, df))
-                    _, t_reverse, t_grads = wy_chunk._inverses(cfg, k, beta, g, doc, ones, for_grads=True)
+                    _, t_reverse, t_grads = wy_chunk._inverses(cfg, k, beta, g, doc, for_grads=True)
                     dh0, dends, *dx = rev(q, k, beta, t_reverse, g, o, final)
                     grads = jax.jit(lambda *a: _grads(cfg, *a))
                     gargs = (q, k, v, beta, t_grads, g, doc, ones, ones, starts, dends, o, *u, *dx)

@@ -29,7 +29,6 @@ VARIANTS = {
     # Output methods (wy_chunk.OUTPUT_METHODS), each forced: "split" reads the saved (bf16) start states for Q S_0.
     "fused_output": dict(output_method="fused"),
     "split_output": dict(output_method="split"),
-    "folded_output": dict(output_method="folded"),  # the pass reads Z = diag(beta) T^T K_end
     # Storage between kernels (wy_chunk.INVERSE_STORAGES, STATE_STORAGES): "storage_fp32" is the default before
     # 2026-11-24 (T and the saved states in fp32).
     "storage_fp32": dict(inverse_storage="fp32", state_storage="fp32"),

@@ -26,10 +26,7 @@ Linear attention is u = V. Kernels, in the order they run:
   backward, every chunk's start state and u). "split" (the default when the passes have at most two programs per
   SM): `_state_kernel` does (3), (4), (6) alone and writes every chunk's start state and u, then
   `_output_kernel`, grid (V/BV, chunks, B*Hv), does (5) chunk-parallel. With few programs the pass is bound by
-  the latency of each step's dependency chain, and "split" leaves only that chain in it. "folded" shortens the
-  chain itself: the inverse kernel also writes Z = diag(beta) T^T K_end, so that (4) and (6) become one product,
-  S_end = carry_C exp(G_C) S_0 + Z^T y (`_folded_state_kernel`), and the output kernel forms u from y
-  (`_folded_output_kernel`).
+  the latency of each step's dependency chain, and "split" leaves only that chain in it.
 - `_reverse_kernel`, grid (V/BV, B*Hv): the sequential pass backwards, carrying dL/dS; writes every chunk's
   end-state cotangent, dL/d(initial_state) and (for the gradients) dx = T^T du.
 - The gradients, chunk-parallel, from the saved start states and end-state cotangents (`Config.grad_method`):
@@ -86,7 +83,10 @@ INVERSE_METHODS = ("blocks16", "batched16")
 INVERSE_STORAGES = ("fp32", "split")
 ROUNDING_GRAD_METHODS = ("staged", "merged")  # whose state products take `grad_k_dots` (bf16 states possible)
 STATE_STORAGES = ("fp32", "bf16")
-OUTPUT_METHODS = ("fused", "split", "folded")
+# A third method, "folded" (the inverse kernel also writing Z = diag(beta) T^T K_end, so the pass has two
+# dependent products per chunk instead of three), measured slower at every size on the H100 and was removed
+# (docs/kernels.md, "Eighth session").
+OUTPUT_METHODS = ("fused", "split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,12 +134,7 @@ class Config:
     # Where O (eq. 5) is computed (OUTPUT_METHODS): "fused", inside the forward pass; "split", chunk-parallel by
     # `_output_kernel` after a pass that carries only the state and writes every start state (`state_storage`) and
     # u. "split" moves Q K^T, Q S_0 and P u off the pass's dependency chain at the price of writing and reading
-    # the states and u (which the backward saves anyway). "folded" (delta rule; linear attention takes "split"):
-    # the inverse kernel also writes Z = diag(beta) T^T K_end, the pass does S_end = survive S_0 + Z^T y with two
-    # dependent products per chunk instead of three and forms no u, and `_folded_output_kernel` forms u (and
-    # writes it when the gradients read it). Slower on the H100 (2026-11-25: forward 2.42 against 1.81 ms at
-    # 1x32768x16x128, the inverse kernel 0.27 -> 0.99 ms for a pass 0.08 ms faster; docs/kernels.md, "Eighth
-    # session"), so never picked by default.
+    # the states and u (which the backward saves anyway).
     output_method: str = "fused"
     output_block_v: int = 128  # BV of `_output_kernel`
     output_warps: int = 4
@@ -284,41 +279,13 @@ def inverse_spec(cfg, index_map, *, pair=False):
     return pl.BlockSpec((None, C, None, C), index_map)
 
 
-def _inverse_kernel(*refs, cfg: Config, fold: bool):
-    """T of one chunk into each of `t_refs`; with `fold` also Z = diag(beta) T^T K_end (`_store_folded`), for
-    which `tail` comes after the four inputs and Z's ref last."""
-    k_ref, beta_ref, g_ref, doc_ref = refs[:4]
-    tail_ref, t_refs = (refs[4], refs[5:-1]) if fold else (None, refs[4:])
+def _inverse_kernel(k_ref, beta_ref, g_ref, doc_ref, *t_refs, cfg: Config):
     if cfg.inverse_method == "blocks16":
-        blocks = _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg)
+        _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg)
     elif cfg.inverse_method == "batched16":
-        blocks = _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg)
+        _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg)
     else:
         raise ValueError(f"inverse_method must be one of {INVERSE_METHODS}, got {cfg.inverse_method!r}")
-    if fold:
-        _store_folded(k_ref, beta_ref, g_ref, tail_ref, refs[-1], blocks, cfg)
-
-
-def _store_folded(k_ref, beta_ref, g_ref, tail_ref, z_ref, blocks, cfg):
-    """Z = diag(beta) T^T K_end (C x K), K_end = diag(tail exp(G_C - G)) K, from T's blocks {(i, j): T_ij} (j <= i,
-    square, all of one side n): rows n j.. of Z are beta_j (.) sum_{i >= j} (diag(e_i) T_ij)^T K_i, each product
-    with one fp32 and one input-dtype operand in `cfg.inverse_dots`. Stored as fp32 or as its bf16 pair like T.
-
-    With it the state step S_end = survive S_0 + K_end^T T diag(beta) y is S_end = survive S_0 + Z^T y: the pass
-    (`_folded_state_kernel`) then has two dependent products per chunk instead of three."""
-    n = next(iter(blocks.values())).shape[0]
-    nb = cfg.chunk_size // n
-    rows = [pl.ds(i * n, n) for i in range(nb)]
-    hi, lo = _gates(g_ref)
-    hi_last, lo_last = _last(hi), _last(lo)
-    to_end = []
-    for i in range(nb):
-        g_hi, g_lo = _gates(g_ref, rows[i])
-        to_end.append(tail_ref[rows[i]] * jnp.exp((hi_last - g_hi) + (lo_last - g_lo)))
-    for j in range(nb):
-        z = sum(_dot(to_end[i][:, None] * blocks[i, j], k_ref[rows[i], :], ta=True, mode=cfg.inverse_dots)
-                for i in range(j, nb))
-        _store_inverse([z_ref], rows[j], slice(None), beta_ref[rows[j]][:, None] * z)
 
 
 def _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
@@ -355,12 +322,10 @@ def _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
         for i, a in enumerate(diagonal):
             t[i] = t[i] - _exact_dot(t[i], _exact_dot(jnp.where(inside, a, 0.0), t[i], fp32), fp32)
         n *= 2
-    t21 = -_exact_dot(t[1], _exact_dot(block(1, 0), t[0], fp32), fp32)
     _store_inverse(t_refs, halves[0], halves[0], t[0])
     _store_inverse(t_refs, halves[1], halves[1], t[1])
-    _store_inverse(t_refs, halves[1], halves[0], t21)
+    _store_inverse(t_refs, halves[1], halves[0], -_exact_dot(t[1], _exact_dot(block(1, 0), t[0], fp32), fp32))
     _store_inverse(t_refs, halves[0], halves[1], jnp.zeros((h, h), F32))
-    return {(0, 0): t[0], (1, 1): t[1], (1, 0): t21}
 
 
 def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
@@ -394,41 +359,29 @@ def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
             t[i, j] = -exact(t[i, i], acc)
         for j in range(nb):
             _store_inverse(t_refs, blocks[i], blocks[j], t[i, j] if j <= i else jnp.zeros((SUB, SUB), F32))
-    return t
 
 
-def _inverse(cfg, k, beta, g, doc, *, pair=False, fp32=True, tail=None, folded_pair=False):
-    """T (fp32) of every chunk and/or (`pair`) its bf16 pair (hi, lo), a tuple when both; with `tail` also Z of
-    `_store_folded` (fp32, or with `folded_pair` its pair [2, B, Tp, Hv, K]) as the tuple's last element."""
+def _inverse(cfg, k, beta, g, doc, *, pair=False, fp32=True):
+    """T (fp32) of every chunk and/or (`pair`) its bf16 pair (hi, lo); a tuple (fp32, pair) when both."""
     B, Tp, H, K = k.shape
     Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
     key = lambda t, bh: (bh // Hv, t, (bh % Hv) // G, 0)
     head = lambda t, bh: (bh // Hv, t, bh % Hv, 0)
     gate = lambda t, bh: (bh // Hv, t, bh % Hv)
     seq = lambda t, bh: (bh // Hv, t)
-    fold = tail is not None
-    in_specs = [pl.BlockSpec((None, C, None, K), key), pl.BlockSpec((None, C, None), gate),
-                pl.BlockSpec((2, None, C, None), lambda t, bh: (0,) + gate(t, bh)), pl.BlockSpec((None, C), seq)]
-    out_specs = ([inverse_spec(cfg, head)] if fp32 else []) + ([inverse_spec(cfg, head, pair=True)] if pair else [])
-    out_shape = (([jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)] if fp32 else [])
-                 + ([jax.ShapeDtypeStruct((2, B, Tp, Hv, C), BF16)] if pair else []))
-    if fold:
-        in_specs.append(pl.BlockSpec((None, C), seq))
-        out_specs.append(pl.BlockSpec((2, None, C, None, K), lambda t, bh: (0,) + head(t, bh)) if folded_pair
-                         else pl.BlockSpec((None, C, None, K), head))
-        out_shape.append(jax.ShapeDtypeStruct((2, B, Tp, Hv, K), BF16) if folded_pair
-                         else jax.ShapeDtypeStruct((B, Tp, Hv, K), F32))
     out = pl.pallas_call(
-        functools.partial(_inverse_kernel, cfg=cfg, fold=fold),
+        functools.partial(_inverse_kernel, cfg=cfg),
         grid=(Tp // C, B * Hv),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        in_specs=[pl.BlockSpec((None, C, None, K), key), pl.BlockSpec((None, C, None), gate),
+                  pl.BlockSpec((2, None, C, None), lambda t, bh: (0,) + gate(t, bh)), pl.BlockSpec((None, C), seq)],
+        out_specs=([inverse_spec(cfg, head)] if fp32 else []) + ([inverse_spec(cfg, head, pair=True)] if pair else []),
+        out_shape=([jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)] if fp32 else [])
+        + ([jax.ShapeDtypeStruct((2, B, Tp, Hv, C), BF16)] if pair else []),
         compiler_params=_params(cfg.inverse_warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_inverse",
-    )(k, beta, g, doc, *([tail] if fold else []))
-    return tuple(out) if len(out) > 1 else out[0]
+    )(k, beta, g, doc)
+    return tuple(out) if len(out) == 2 else out[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -448,9 +401,6 @@ def _sequence_specs(cfg, Tp, K, BV, *, pair=False):
                  if pair else
                  pl.BlockSpec((None, Tp, None, cfg.chunk_size), lambda j, bh: (bh // Hv, 0, bh % Hv, 0))
                  if cfg.delta else pl.BlockSpec((None, Tp, None, K), lambda j, bh: (bh // Hv, 0, (bh % Hv) // G, 0))),
-        # Z of `_store_folded` (`output_method` "folded"), or its bf16 pair, of the value head.
-        folded=(pl.BlockSpec((2, None, Tp, None, K), lambda j, bh: (0, bh // Hv, 0, bh % Hv, 0)) if pair else
-                pl.BlockSpec((None, Tp, None, K), lambda j, bh: (bh // Hv, 0, bh % Hv, 0))),
         gate=pl.BlockSpec((None, Tp, None), lambda j, bh: (bh // Hv, 0, bh % Hv)),
         gates=pl.BlockSpec((2, None, Tp, None), lambda j, bh: (0, bh // Hv, 0, bh % Hv)),  # G as (hi, lo)
         seq=pl.BlockSpec((None, Tp), lambda j, bh: (bh // Hv, 0)),
@@ -527,44 +477,12 @@ def _state_kernel(k_ref, v_ref, beta_ref, t_ref, g_ref, carry_ref, tail_ref, h0_
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
 
 
-def _folded_state_kernel(k_ref, v_ref, z_ref, g_ref, carry_ref, tail_ref, h0_ref, final_ref, states_ref, *,
-                         cfg: Config, nt: int):
-    """`cfg.output_method` "folded": the pass of "split" with T folded into Z = diag(beta) T^T K_end by the inverse
-    kernel (`_store_folded`): S_end = survive S_0 + Z^T (V - diag(carry exp(G)) K S_0). Two dependent products per
-    chunk (K S_0, then Z^T y); u is left to `_folded_output_kernel`. Writes every chunk's start state."""
-    C = cfg.chunk_size
-    K = k_ref.shape[-1]
-
-    def chunk(i, s):
-        rows = pl.ds(pl.multiple_of(i * C, C), C)
-        states_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = s.astype(states_ref.dtype)
-        from_start, _, survive = _chunk_scalars(_gates(g_ref, rows), carry_ref[rows], tail_ref[rows])
-        y = v_ref[rows, :].astype(F32) - from_start[:, None] * _dot(k_ref[rows, :], s, mode=cfg.state_dots)
-        return survive * s + _inverse_dot(z_ref, rows, y, cfg, ta=True)
-
-    final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
-
-
 def _output_kernel(q_ref, k_ref, u_ref, g_ref, doc_ref, carry_ref, s0_ref, o_ref, *, cfg: Config):
     """Eq. (5) for one chunk and V block, from the start state and u written by `_state_kernel`."""
     g = _gates(g_ref)
     from_start = carry_ref[...] * jnp.exp(g[0] + g[1])
     o = _output(cfg, q_ref[...], k_ref[...], g, doc_ref[...], from_start, s0_ref[...], u_ref[...].astype(F32))
     o_ref[...] = o.astype(o_ref.dtype)
-
-
-def _folded_output_kernel(q_ref, k_ref, v_ref, t_ref, beta_ref, g_ref, doc_ref, carry_ref, s0_ref, o_ref, *u_ref,
-                          cfg: Config):
-    """`_output_kernel` after the folded pass, which leaves u to it: (3)-(4) from the start state (the K S_0 of the
-    pass: `state_dots` on the saved state), then (5); writes u too when the gradients read it."""
-    g = _gates(g_ref)
-    from_start = carry_ref[...] * jnp.exp(g[0] + g[1])
-    k, s0 = k_ref[...], s0_ref[...]
-    y = v_ref[...].astype(F32) - from_start[:, None] * _dot(k, s0, mode=cfg.state_dots)
-    u = _inverse_dot(t_ref, slice(None), beta_ref[...][:, None] * y, cfg)
-    if u_ref:
-        u_ref[0][...] = u
-    o_ref[...] = _output(cfg, q_ref[...], k, g, doc_ref[...], from_start, s0, u).astype(o_ref.dtype)
 
 
 def _pass_stages(cfg):
@@ -581,15 +499,8 @@ def _state_dtype(cfg):
 
 
 def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states):
-    """(o, final state), and `with_states` every chunk's start state and (`_saves_u_dx`) u. `t`: T as the pass
-    reads it, with "folded" (delta rule) the pair (T, Z) as the output kernel and the pass read them."""
-    if cfg.output_method == "folded" and cfg.delta:
-        t, z = t
-        final, starts = _state_pass(cfg, k, v, beta, z, g, carry, tail, h0)
-        save_u = with_states and _saves_u_dx(cfg)
-        o, *u = _output_pass(cfg, q, k, v, g, doc, carry, starts, v.dtype, folded=(t, beta, save_u))
-        return (o, final, starts, *u) if with_states else (o, final)
-    if cfg.output_method in ("split", "folded"):  # linear attention has no T to fold
+    """(o, final state), and `with_states` every chunk's start state and (`_saves_u_dx`) u."""
+    if cfg.output_method == "split":
         final, starts, *u = _state_pass(cfg, k, v, beta, t, g, carry, tail, h0)
         o = _output_pass(cfg, q, k, u[0] if u else v, g, doc, carry, starts, v.dtype)
         if not with_states:
@@ -635,69 +546,47 @@ def _pass_layout(cfg, t, B, Tp, K, Hv, V):
 
 
 def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0):
-    """The sequential pass of "split": (final state, every chunk's start state, u (delta rule only)); of "folded"
-    (`t` is then Z): (final state, every chunk's start state)."""
+    """The sequential pass of "split": (final state, every chunk's start state, u (delta rule only))."""
     B, Tp, H, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     BV, nt, sp, out_specs, out_shape = _pass_layout(cfg, t, B, Tp, K, Hv, V)
-    if cfg.output_method == "folded" and cfg.delta:
-        kernel, name = _folded_state_kernel, "wy_folded_states"
-        in_specs = [sp["key"], sp["value"], sp["folded"], sp["gates"], sp["seq"], sp["seq"], sp["state"]]
-        args = (k, v, t, g, carry, tail, h0)
-    else:
-        kernel, name = _state_kernel, "wy_states"
-        in_specs = [sp["key"], sp["value"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], sp["seq"], sp["state"]]
-        args = (k, v, beta, t, g, carry, tail, h0)
-        if cfg.delta:
-            out_specs.append(sp["value"])
-            out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
+    if cfg.delta:
+        out_specs.append(sp["value"])
+        out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
     return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg, nt=nt),
+        functools.partial(_state_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
-        in_specs=in_specs,
+        in_specs=[sp["key"], sp["value"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], sp["seq"], sp["state"]],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_params(cfg.warps, _pass_stages(cfg)),
         interpret=cfg.interpret,
-        name=name,
-    )(*args)
+        name="wy_states",
+    )(k, v, beta, t, g, carry, tail, h0)
 
 
-def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype, *, folded=None):
-    """O of every chunk, chunk-parallel: grid (V/BV, chunks, B*Hv) with BV = `cfg.output_block_v`. With `folded` =
-    (T, beta, save_u), `u` is V and the kernel forms u itself (`_folded_output_kernel`); returns (O, u) with
-    save_u, else O alone (a tuple (O,) for "folded")."""
+def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype):
+    """O of every chunk, chunk-parallel: grid (V/BV, chunks, B*Hv) with BV = `cfg.output_block_v`."""
     B, Tp, H, K = q.shape
     Hv, V = u.shape[2], u.shape[3]
     C, G = cfg.chunk_size, Hv // H
     BV = min(cfg.output_block_v, V)
     key_spec = pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0))
     value_spec = pl.BlockSpec((None, C, None, BV), lambda j, i, bh: (bh // Hv, i, bh % Hv, j))
-    chunk_specs = [pl.BlockSpec((2, None, C, None), lambda j, i, bh: (0, bh // Hv, i, bh % Hv)),
-                   pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
-                   pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
-                   pl.BlockSpec((None, None, K, BV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j))]
-    out_shape = jax.ShapeDtypeStruct((B, Tp, Hv, V), out_dtype)
-    if folded is None:
-        kernel, in_specs, args, out_specs = _output_kernel, [key_spec, key_spec, value_spec] + chunk_specs, (), value_spec
-    else:
-        t, beta, save_u = folded
-        kernel, args = _folded_output_kernel, (t, beta)
-        in_specs = [key_spec, key_spec, value_spec,
-                    inverse_spec(cfg, lambda j, i, bh: (bh // Hv, i, bh % Hv, 0), pair=t.ndim == 5),
-                    pl.BlockSpec((None, C, None), lambda j, i, bh: (bh // Hv, i, bh % Hv))] + chunk_specs
-        out_specs = [value_spec] + ([value_spec] if save_u else [])
-        out_shape = [out_shape] + ([jax.ShapeDtypeStruct((B, Tp, Hv, V), F32)] if save_u else [])
     return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg),
+        functools.partial(_output_kernel, cfg=cfg),
         grid=(V // BV, Tp // C, B * Hv),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        in_specs=[key_spec, key_spec, value_spec,
+                  pl.BlockSpec((2, None, C, None), lambda j, i, bh: (0, bh // Hv, i, bh % Hv)),
+                  pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
+                  pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
+                  pl.BlockSpec((None, None, K, BV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j))],
+        out_specs=value_spec,
+        out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, V), out_dtype),
         compiler_params=_params(cfg.output_warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_output",
-    )(q, k, u, *args, g, doc, carry, starts)
+    )(q, k, u, g, doc, carry, starts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1224,11 +1113,10 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _inverses(cfg, k, beta, g, doc, tail, *, for_grads=False):
+def _inverses(cfg, k, beta, g, doc, *, for_grads=False):
     """T as each kernel reads it: the forward pass's, and with `for_grads` (forward pass, reverse pass, gradient
     kernels). Each is fp32 T or its bf16 pair (`Config.pass_inverse_storage`, `reverse_inverse_storage`,
-    `inverse_storage`), or None for gradients that read u and dx; the inverse kernel writes only what is read.
-    With `output_method` "folded" the forward's is the pair (T, Z), Z in the forward's storage (`_store_folded`)."""
+    `inverse_storage`), or None for gradients that read u and dx; the inverse kernel writes only what is read."""
     if not cfg.delta:
         return (k, k, k) if for_grads else k  # linear attention never reads T (cfg.delta gates every use)
     storage = lambda split: "pair" if split else "fp32"
@@ -1236,18 +1124,12 @@ def _inverses(cfg, k, beta, g, doc, tail, *, for_grads=False):
     if for_grads:
         wanted.append(storage(cfg.reverse_inverse_storage == "split"))
         wanted.append(None if _saves_u_dx(cfg) else storage(cfg.inverse_storage == "split"))
-    fold = cfg.output_method == "folded"
-    written = _inverse(cfg, k, beta, g, doc, pair="pair" in wanted, fp32="fp32" in wanted,
-                       tail=tail if fold else None, folded_pair=wanted[0] == "pair")
+    written = _inverse(cfg, k, beta, g, doc, pair="pair" in wanted, fp32="fp32" in wanted)
     if not isinstance(written, tuple):
         written = (written,)
-    if fold:
-        *written, z = written
     by_storage = dict(zip([name for name in ("fp32", "pair") if name in wanted], written))
-    arrays = [by_storage.get(name) for name in wanted]
-    if fold:
-        arrays[0] = (arrays[0], z)
-    return tuple(arrays) if for_grads else arrays[0]
+    arrays = tuple(by_storage.get(name) for name in wanted)
+    return arrays if for_grads else arrays[0]
 
 
 def _in_chunk_cumsum(cfg, log_decay):
@@ -1270,13 +1152,13 @@ def _gate_input(cfg, log_decay):
 def _wy(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     """Differentiable in log_decay itself (not in G): the gate gradient comes out per token, see `_grad_kernel`."""
     g = _gate_input(cfg, log_decay)
-    t = _inverses(cfg, k, beta, g, doc, tail)
+    t = _inverses(cfg, k, beta, g, doc)
     return _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=False)
 
 
 def _wy_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     g = _gate_input(cfg, log_decay)
-    t_forward, t, t_grads = _inverses(cfg, k, beta, g, doc, tail, for_grads=True)
+    t_forward, t, t_grads = _inverses(cfg, k, beta, g, doc, for_grads=True)
     o, final, starts, *u = _forward_pass(cfg, q, k, v, beta, t_forward, g, doc, carry, tail, h0, with_states=True)
     return (o, final), (q, k, v, beta, g, doc, carry, tail, t, t_grads, starts, u)
 

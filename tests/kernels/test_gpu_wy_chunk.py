@@ -45,10 +45,6 @@ GRAD_VARIANTS = {
     "merged_fused_output": dict(grad_method="merged", grad_block_v=16, grad_block_k=256, output_method="fused"),
     "merged_split_output": dict(grad_method="merged", grad_block_v=16, grad_block_k=256, output_method="split",
                                 output_block_v=16),
-    # "folded": T folded into Z by the inverse kernel, u formed by the output kernel (which the gradients read).
-    "merged_folded_output": dict(grad_method="merged", grad_block_v=16, grad_block_k=256, output_method="folded",
-                                 output_block_v=16),
-    "fused_folded_output": dict(grad_method="fused", grad_block_v=32, grad_block_k=256, output_method="folded"),
 }
 LOWERED_GRAD_VARIANTS = {
     "fused": GRAD_VARIANTS["fused"],
@@ -68,13 +64,8 @@ LOWERED_GRAD_VARIANTS = {
                                               reverse_inverse_storage="split"),
     "fused_split_output": dict(grad_method="fused", grad_block_v=32, grad_block_k=256, output_method="split",
                                output_block_v=64),
-    "merged_folded_output": dict(grad_method="merged", grad_block_v=32, grad_block_k=256, output_method="folded"),
-    "merged_folded_output_fp32_pass_inverse": dict(grad_method="merged", grad_block_v=32, grad_block_k=256,
-                                                   output_method="folded", pass_inverse_storage="fp32"),
-    "fused_folded_output": dict(grad_method="fused", grad_block_v=32, grad_block_k=256, output_method="folded",
-                                output_block_v=64),
 }
-# Every output method, each forced (the default picks one by shape).
+# Both output methods, each forced (the default picks one by shape).
 OUTPUT_VARIANTS = {method: dict(output_method=method) for method in wy_chunk.OUTPUT_METHODS}
 
 
@@ -442,9 +433,9 @@ def test_inverse_lowers_for_cuda(method):
 
 
 def _kernel_count(op, grad_method, output_method="fused"):
-    """(inverse,) forward pass (and the output kernel of "split" and "folded"), reverse pass, gradients (one
-    kernel, or two when staged; linear attention takes "staged" for "merged")."""
-    split = output_method in ("split", "folded")
+    """(inverse,) forward pass (and the output kernel of "split"), reverse pass, gradients (one kernel, or two when
+    staged; linear attention takes "staged" for "merged")."""
+    split = output_method == "split"
     if op == "delta_rule":
         return 4 + (grad_method == "staged") + split
     return 3 + (grad_method in ("staged", "merged")) + split

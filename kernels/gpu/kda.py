@@ -520,6 +520,12 @@ def _sequence_specs(cfg, Tp, K, BV):
     )
 
 
+def _pseudo_values(a, k, v, t, beta, s, mode):
+    """(4): u = T diag(beta) (V - (A (.) K) S_0), the values the chunk writes into the state (fp32, C x BV)."""
+    y = v.astype(F32) - _dot(a * k, s, mode=mode)
+    return _dot(t, beta[:, None] * y, mode=mode)
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, carry_ref, tail_ref, t_ref, p_ref, h0_ref,
                     o_ref, final_ref, *states_ref, cfg: Config, nt: int):
     C, mode = cfg.chunk_size, cfg.dots
@@ -533,8 +539,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, carry_ref, ta
             states_ref[0][pl.ds(pl.multiple_of(i * K, K), K), :] = s
         q, k = q_ref[rows, :].astype(F32), k_ref[rows, :].astype(F32)
         bound = _boundary(geo, g_ref[rows, :], glo_ref[rows, :], carry_ref[rows], tail_ref[rows])
-        y = v_ref[rows, :].astype(F32) - _dot(bound.a * k, s, mode=mode)
-        u = _dot(t_ref[rows, :], beta_ref[rows][:, None] * y, mode=mode)
+        u = _pseudo_values(bound.a, k, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s, mode)
         o = cfg.scale * (_dot(bound.a * q, s, mode=mode) + _dot(p_ref[rows, :], u, mode=mode))
         o_ref[rows, :] = o.astype(o_ref.dtype)
         return bound.gamma[:, None] * s + _dot(bound.e * k, u, ta=True, mode=mode)
@@ -554,8 +559,7 @@ def _state_kernel(k_ref, v_ref, beta_ref, g_ref, glo_ref, carry_ref, tail_ref, t
         states_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = s
         k = k_ref[rows, :].astype(F32)
         bound = _boundary(geo, g_ref[rows, :], glo_ref[rows, :], carry_ref[rows], tail_ref[rows])
-        y = v_ref[rows, :].astype(F32) - _dot(bound.a * k, s, mode=mode)
-        u = _dot(t_ref[rows, :], beta_ref[rows][:, None] * y, mode=mode)
+        u = _pseudo_values(bound.a, k, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s, mode)
         return bound.gamma[:, None] * s + _dot(bound.e * k, u, ta=True, mode=mode)
 
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
@@ -568,8 +572,7 @@ def _output_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, carry_ref, t_r
     mode = cfg.dots
     q, k, s = q_ref[...].astype(F32), k_ref[...].astype(F32), s_ref[...]
     a = carry_ref[...][:, None] * jnp.exp(g_ref[...] + glo_ref[...])  # G <= 0 inside the chunk: no overflow
-    y = v_ref[...].astype(F32) - _dot(a * k, s, mode=mode)
-    u = _dot(t_ref[...], beta_ref[...][:, None] * y, mode=mode)
+    u = _pseudo_values(a, k, v_ref[...], t_ref[...], beta_ref[...], s, mode)
     o = cfg.scale * (_dot(a * q, s, mode=mode) + _dot(p_ref[...], u, mode=mode))
     o_ref[...] = o.astype(o_ref.dtype)
 

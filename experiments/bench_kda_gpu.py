@@ -33,30 +33,42 @@ flags.DEFINE_bool("verbose", False, "Print each stage (compile + timing) as it f
 flags.DEFINE_bool("interpret", False, "Run in Pallas's interpreter (a smoke test of this script on CPU).")
 
 VARIANTS = {
-    "default": {},  # prepare "partner", inverse "blocks" for bf16, warps 4, prepare 4, grads 4 (V kernel) and 8 (pair kernel)
+    # Stored operands (pass stages 1), prepare in blocks of 32 channels, pair gradients 32 channels per program at 4
+    # warps, V gradients at 8 warps, inverse "blocks" for bf16 (docs/kernels.md, KDA, 2026-11-25).
+    "default": {},
+    # The defaults until 2026-11-25: every kernel sat at 255 registers and spilled.
+    "previous": dict(operands="inline", pass_stages=2, block_k=128, pair_block_k=128, pair_warps=8, grad_warps=4),
+    "inline": dict(operands="inline", pass_stages=2),
     "rows": dict(inverse="rows"),
     "prep_blocks": dict(prepare="blocks"),  # 16 x 16 block prepare (measured 2.4x slower once)
     "prep_blocks_rows": dict(prepare="blocks", inverse="rows"),  # row substitution as 16-row strips (the fp32 default)
-    "blocks": dict(inverse="blocks"),
     "bv16": dict(block_v=16),
     "bv32": dict(block_v=32),
     "warps2": dict(warps=2),
     "warps8": dict(warps=8),
-    "prep_warps1": dict(prepare_warps=1),  # the Gated DeltaNet inverse was 2x faster at 1 warp than at 4
+    "reverse_warps8": dict(reverse_warps=8),
+    "pass_stages2": dict(pass_stages=2),  # with stored operands: 295 KB of shared memory asked, fails on the H100
+    "split_forward": dict(forward="split"),  # a pass carrying only the state, then the output chunk-parallel
+    "split_forward_obv32": dict(forward="split", output_block_v=32),
+    "split_forward_obv128": dict(forward="split", output_block_v=128),
+    "split_forward_warps8": dict(forward="split", warps=8),
+    "bk16": dict(block_k=16),
+    "bk64": dict(block_k=64),
+    "bk128": dict(block_k=128),
+    "prep_warps1": dict(prepare_warps=1),
     "prep_warps2": dict(prepare_warps=2),
     "prep_warps8": dict(prepare_warps=8),
     "grad_bv16": dict(grad_block_v=16),
     "grad_bv64": dict(grad_block_v=64),
-    "grad_warps8": dict(grad_warps=8),
-    "grad_bv64_warps8": dict(grad_block_v=64, grad_warps=8),
-    "pair_warps4": dict(pair_warps=4),
+    "grad_warps4": dict(grad_warps=4),
+    "grad_bv64_warps4": dict(grad_block_v=64, grad_warps=4),
+    "pair_bk16": dict(pair_block_k=16),
+    "pair_bk64": dict(pair_block_k=64),
+    "pair_bk128": dict(pair_block_k=128),
+    "pair_warps2": dict(pair_warps=2),
+    "pair_warps8": dict(pair_warps=8),
     "stages1": dict(stages=1),
     "stages3": dict(stages=3),
-    # Config.forward="split": a pass carrying only the state, then the output chunk-parallel (not yet timed).
-    "split_forward": dict(forward="split"),
-    "split_forward_obv32": dict(forward="split", output_block_v=32),
-    "split_forward_obv128": dict(forward="split", output_block_v=128),
-    "split_forward_warps8": dict(forward="split", warps=8),
 }
 
 
@@ -123,7 +135,8 @@ def variant_errors(name):
 
 
 def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
-    """ms of: cumsum glue, prepare (with R), forward pass, forward pass + states, reverse pass, gradient kernel."""
+    """ms of: cumsum glue, prepare (with R), the stored operands (0 when inline), forward pass, forward pass +
+    states, reverse pass, the V and the pair gradient kernels."""
     it = FLAGS.iters
     doc = jnp.zeros((B, T), jnp.int32)
     ones = jnp.ones((B, T), jnp.float32)
@@ -133,31 +146,37 @@ def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
     prep = jax.jit(lambda q, k, g, glo, b: kda._prepare(cfg, q, k, g, glo, b, doc, with_r=True))
     t, p, r = prep(q, k, g, glo, beta)
     log('prep' + ' ran')
-    fwd = lambda states: jax.jit(lambda q, k, v, b, g, glo, t, p: kda._forward_pass(
-        cfg, q, k, v, b, g, glo, ones, ones, t, p, h0, with_states=states))
+    source = jax.jit(lambda q, k, g, glo: kda._source(cfg, q, k, g, glo, ones, ones))
+    src = source(q, k, g, glo)
+    fwd = lambda states: jax.jit(lambda src, v, b, t, p: kda._forward_pass(cfg, src, v, b, t, p, h0,
+                                                                            with_states=states))
     fwd0, fwd1 = fwd(False), fwd(True)
-    o, final, starts = fwd1(q, k, v, beta, g, glo, t, p)
+    o, final, starts = fwd1(src, v, beta, t, p)
     log('fwd1' + ' ran')
-    rev = jax.jit(lambda q, k, b, g, glo, t, p, do, df: kda._reverse_pass(cfg, q, k, b, g, glo, ones, ones, t, p,
-                                                                          do, df))
-    dh0, dends = rev(q, k, beta, g, glo, t, p, o, final)
+    rev = jax.jit(lambda src, b, t, p, do, df: kda._reverse_pass(cfg, src, b, t, p, do, df))
+    dh0, dends = rev(src, beta, t, p, o, final)
     log('rev' + ' ran')
-    grads = jax.jit(lambda *a: kda._grads(cfg, *a))
-    gargs = (q, k, v, beta, g, glo, doc, ones, ones, t, p, r, starts, dends, o)
+    grads_v = jax.jit(lambda *a: kda._grads_v(cfg, *a))
+    gargs = (src, q, k, v, beta, g, glo, doc, ones, ones, t, p, r, starts, dends, o)
+    dv, dq, dk, dg, de, dbeta, dp, dm = grads_v(*gargs)
+    grads_pairs = jax.jit(lambda *a: kda._grads_pairs(cfg, *a))
+    pargs = (q, k, g, glo, beta, dp, dm, dq, dk, dg)
     return [median_ms(cum, log_decay, iters=it),
             median_ms(prep, q, k, g, glo, beta, iters=it),
-            median_ms(fwd0, q, k, v, beta, g, glo, t, p, iters=it),
-            median_ms(fwd1, q, k, v, beta, g, glo, t, p, iters=it),
-            median_ms(rev, q, k, beta, g, glo, t, p, o, final, iters=it),
-            median_ms(grads, *gargs, iters=it)]
+            median_ms(source, q, k, g, glo, iters=it) if cfg.operands == "stored" else 0.0,
+            median_ms(fwd0, src, v, beta, t, p, iters=it),
+            median_ms(fwd1, src, v, beta, t, p, iters=it),
+            median_ms(rev, src, beta, t, p, o, final, iters=it),
+            median_ms(grads_v, *gargs, iters=it),
+            median_ms(grads_pairs, *pargs, iters=it)]
 
 
 def main(argv):
     del argv
     dev = jax.devices()[0]
     print(f"# {dev.device_kind}, jax {jax.__version__}, interpret={FLAGS.interpret}")
-    header = ["size", "variant", "cumsum", "prepare", "fwd pass", "fwd pass+states", "reverse", "grads", "fwd",
-              "fwd+bwd"]
+    header = ["size", "variant", "cumsum", "prepare", "operands", "fwd pass", "fwd pass+states", "reverse",
+              "grads V", "grads pairs", "fwd", "fwd+bwd"]
     if FLAGS.error_size:
         header.append(f"rel. error o, state, dq, dk, dv, dbeta, dlog_decay ({FLAGS.error_size})")
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -169,7 +188,7 @@ def main(argv):
             try:
                 cfg = make_config(name, q, v, D)
                 cells = kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay) if FLAGS.per_kernel else \
-                    [float("nan")] * 6
+                    [float("nan")] * 8
                 run = run_fn(cfg, D)
                 fwd = jax.jit(lambda *a: run(*a)[0])
                 loss = lambda *a: jnp.sum(run(*a)[0].astype(jnp.float32) ** 2)

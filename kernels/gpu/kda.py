@@ -35,7 +35,11 @@ the index maps, never a repeated copy):
 
 - `_prepare_partner_kernel` (`Config.prepare="partner"`, default) or `_prepare_blocks_kernel` (`"blocks"`: the
   same in 16 x 16 blocks from 16-row ref slices, the partner token read as a ref row), grid (chunks, B*Hv): (1)-(3)
-  for one chunk; writes P and T (C x C fp32 each) and, for the backward, R (strict, same document).
+  for one chunk, "partner" summing P and R over blocks of `Config.block_k` channels; writes P and T (C x C fp32
+  each) and, for the backward, R (strict, same document).
+- `_operands_kernel` (`Config.operands="stored"`, default), grid (K/BK, chunks, B*Hv): A (.) Q, A (.) K, E (.) K
+  (bf16 pairs for "split" products) and gamma for one chunk and BK channels, so that the passes below load dot
+  operands instead of forming them in every step; run again in the backward rather than saved.
 - `_forward_kernel`, grid (V/BV, B*Hv): `fori_loop` over the chunks with the fp32 state block S[:, BV] (K x BV) in
   registers, (4)-(6); writes O, the final state and, for the backward, every chunk's start state.
   With `Config.forward="split"` instead: `_state_kernel` (same grid and loop, (4) and (6) only, always writing the
@@ -45,8 +49,10 @@ the index maps, never a repeated copy):
 - `_grad_v_kernel`, grid (chunks, B*Hv): the V contractions of one chunk, chunk-parallel, from the saved start
   states and end-state cotangents (a loop over V blocks): dv, dE, the state/boundary parts of dq, dk, dG, dbeta,
   and dP, dL/d(diag(beta) R) (C x C).
-- `_grad_pair_kernel`, grid (chunks, B*Hv): the decayed pair products of dP and dR in 16 x 16 blocks (the block
-  scheme of `_prepare_blocks_kernel`, with R saved by prepare), added to the V kernel's partials.
+- `_grad_pair_kernel`, grid (K/BK, chunks, B*Hv) (BK = `Config.pair_block_k`): the decayed pair products of dP
+  and dR in 16 x 16 blocks (the block scheme of `_prepare_blocks_kernel`), added to the V kernel's partials; every
+  output is per channel, so channel blocks are independent programs (dbeta's share through R, which needs all
+  channels, is summed in the V kernel from R saved by prepare).
 
 In XLA around them: padding (T to a multiple of C, K and V to powers of two >= 16), the compensated cumsum, the
 document flags, the sum of dq/dk over each key head's value heads and the cumsums that turn dG into
@@ -73,6 +79,8 @@ from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import last as _last
 from deltajax.kernels.gpu.common import sequential_block_v
+from deltajax.kernels.gpu.common import split_bf16 as _split_bf16
+from deltajax.kernels.gpu.common import split_pair_dot as _split_pair_dot
 from deltajax.kernels.gpu.common import unit_lower_inverse as _unit_lower_row_inverse
 from deltajax.rules.chunk import CumulativeLogDecay
 from deltajax.rules.common import document_index
@@ -99,10 +107,16 @@ PREPARE_METHODS = ("partner", "blocks")
 # against a ~0.4 ms floor, with far more live C x K fp32 values than registers; "split" is the Gated DeltaNet
 # kernels' answer to the same problem (docs/kernels.md).
 FORWARD_METHODS = ("fused", "split")
+# Where the sequential passes get a chunk's boundary operands A (.) Q, A (.) K, E (.) K and gamma. "inline": every
+# step forms them from q, k and the gates (two C x K exps, and for 16-bit inputs the bf16 pairs of three C x K fp32
+# tiles); "stored": `_operands_kernel` forms them once, chunk-parallel, and writes them (the bf16 pair (hi, lo) of
+# each for 16-bit inputs, fp32 otherwise), so the step only loads dot operands. The same values either way: the
+# products are unchanged. On the H100 every KDA kernel sat at 255 registers and spilled (docs/kernels.md).
+OPERAND_METHODS = ("inline", "stored")
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
 
-__all__ = ["CHUNK_SIZES", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM", "PREPARE_METHODS", "Config", "default_config",
-           "kda_chunk"]
+__all__ = ["CHUNK_SIZES", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM", "OPERAND_METHODS",
+           "PREPARE_METHODS", "Config", "default_config", "kda_chunk"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +141,11 @@ class Config:
     interpret: bool
     forward: str = "fused"  # FORWARD_METHODS
     output_block_v: int = 64  # BV of `_output_kernel` ("split")
+    operands: str = "inline"  # OPERAND_METHODS
+    block_k: int = 128  # channels per step of prepare's loop and per program of the operand and pair kernels
+    reverse_warps: int = 4  # reverse pass
+    pair_block_k: int = 128  # channels per program of the pair gradient kernel
+    pass_stages: int = 2  # software-pipeline depth of the sequential passes (stored operands need 1: shared memory)
 
 
 def _masked_exp(mask, x):
@@ -438,13 +457,23 @@ def _prepare_blocks_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_re
 
 def _prepare_partner_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_ref, p_ref, *r_ref, cfg: Config):
     """`Config.prepare="partner"`: P, T (and R) on whole C x C / C x K values; see the module docstring."""
-    C = cfg.chunk_size
+    C, K = cfg.chunk_size, q_ref.shape[-1]
+    BK = min(cfg.block_k, K)
     geo = _geometry(C)
-    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+
+    def channels(j, acc):
+        """P and R are sums over channels: one block of BK channels at a time keeps 4 C x BK fp32 tiles live
+        instead of 4 C x K (at K = 128 and 4 warps those alone are the 255 registers a thread may hold)."""
+        cols = pl.ds(pl.multiple_of(j * BK, BK), BK)
+        q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)
+        p, r = _pair_matrices(geo, ((q, k), (k, k)), g_ref[:, cols], glo_ref[:, cols], cfg.dots)
+        # P_tt = q_t . k_t, decay exactly 1.
+        p = p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
+        return acc[0] + p, acc[1] + r
+
+    zeros = jnp.zeros((C, C), F32)
+    p, r = lax.fori_loop(0, K // BK, channels, (zeros, zeros))
     incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
-    p, r = _pair_matrices(geo, ((q, k), (k, k)), g_ref[...], glo_ref[...], cfg.dots)
-    # P_tt = q_t . k_t, decay exactly 1.
-    p = p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
     p_ref[...] = jnp.where(incl, p, 0.0)
     r = jnp.where(strict, r, 0.0)
     for ref in r_ref:
@@ -470,6 +499,7 @@ def _chunk_specs(cfg, K, V):
         gate=pl.BlockSpec((None, C, None), lambda i, bh: (bh // Hv, i, bh % Hv)),
         seq=pl.BlockSpec((None, C), lambda i, bh: (bh // Hv, i)),
         state=pl.BlockSpec((None, None, K, V), lambda i, bh: (bh // Hv, bh % Hv, i, 0)),
+        gamma=pl.BlockSpec((None, None, K), lambda i, bh: (bh // Hv, bh % Hv, i)),
     )
 
 
@@ -483,7 +513,11 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
         raise ValueError(f"config.dots must be one of {DOT_MODES}, got {cfg.dots!r}")
     if cfg.forward not in FORWARD_METHODS:
         raise ValueError(f"config.forward must be one of {FORWARD_METHODS}, got {cfg.forward!r}")
+    if cfg.operands not in OPERAND_METHODS:
+        raise ValueError(f"config.operands must be one of {OPERAND_METHODS}, got {cfg.operands!r}")
     B, Tp, _, K = q.shape
+    if cfg.block_k < 16 or cfg.block_k & (cfg.block_k - 1):
+        raise ValueError(f"config.block_k must be a power of two >= 16, got {cfg.block_k}")
     Hv, C = cfg.value_heads, cfg.chunk_size
     sp = _chunk_specs(cfg, K, K)
     square = jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)
@@ -515,119 +549,234 @@ def _sequence_specs(cfg, Tp, K, BV):
         square=pl.BlockSpec((None, Tp, None, C), lambda j, bh: (bh // Hv, 0, bh % Hv, 0)),
         gate=pl.BlockSpec((None, Tp, None), lambda j, bh: (bh // Hv, 0, bh % Hv)),
         seq=pl.BlockSpec((None, Tp), lambda j, bh: (bh // Hv, 0)),
+        gamma=pl.BlockSpec((None, None, (Tp // C) * K), lambda j, bh: (bh // Hv, bh % Hv, 0)),
         state=pl.BlockSpec((None, None, K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
         states=pl.BlockSpec((None, None, (Tp // C) * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
     )
 
 
-def _pseudo_values(a, k, v, t, beta, s, mode):
+# ---------------------------------------------------------------------------------------------------------------
+# The chunk operands of the passes, A (.) Q, A (.) K, E (.) K and gamma: formed in every step or stored
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _ChunkOperands(NamedTuple):
+    qa: object  # A (.) Q (C x K): fp32, or its bf16 pair (hi, lo) when stored for "split" products; None if unused
+    ak: object  # A (.) K
+    ke: object  # E (.) K
+    gamma: jax.Array  # (K,)
+
+
+def _source(cfg, q, k, g, glo, carry, tail):
+    """The arrays the passes read their chunk operands from (`Config.operands`)."""
+    if cfg.operands == "inline":
+        return q, k, g, glo, carry, tail
+    return _stored_operands(cfg, q, k, g, glo, carry, tail)
+
+
+def _source_specs(cfg, sp):
+    """BlockSpecs of `_source`'s arrays, from a dict of specs (`_sequence_specs` or `_output_specs`)."""
+    if cfg.operands == "inline":
+        return [sp["key"], sp["key"], sp["channel"], sp["channel"], sp["seq"], sp["seq"]]
+    return [sp["channel"]] * (6 if cfg.dots == "split" else 3) + [sp["gamma"]]
+
+
+def _n_source(cfg):
+    return 6 if cfg.operands == "inline" else (7 if cfg.dots == "split" else 4)
+
+
+def _load_operands(cfg, geo, src, rows, gamma_rows, *, with_q=True):
+    """The operands of the chunk at `rows` (`gamma_rows`: its K entries of the stored gamma) from `src` refs."""
+    if cfg.operands == "inline":
+        q_ref, k_ref, g_ref, glo_ref, carry_ref, tail_ref = src
+        k = k_ref[rows, :].astype(F32)
+        bound = _boundary(geo, g_ref[rows, :], glo_ref[rows, :], carry_ref[rows], tail_ref[rows])
+        qa = bound.a * q_ref[rows, :].astype(F32) if with_q else None
+        return _ChunkOperands(qa, bound.a * k, bound.e * k, bound.gamma)
+    *tiles, gamma_ref = src
+    n = len(tiles) // 3
+    load = lambda refs: tuple(r[rows, :] for r in refs) if n == 2 else refs[0][rows, :]
+    return _ChunkOperands(load(tiles[:n]) if with_q else None, load(tiles[n:2 * n]), load(tiles[2 * n:]),
+                          gamma_ref[gamma_rows])
+
+
+def _odot(x, b, *, ta=False, mode):
+    """`_dot(x, b)` for a chunk operand given as fp32 or as its stored bf16 pair: the same bf16 products."""
+    if not isinstance(x, tuple):
+        return _dot(x, b, ta=ta, mode=mode)
+    if b.dtype == F32:
+        return _split_pair_dot(x, b, ta=ta)
+    return _dot(x[0], b, ta=ta) + _dot(x[1], b, ta=ta)
+
+
+def _operands_kernel(q_ref, k_ref, g_ref, glo_ref, carry_ref, tail_ref, *out_refs, cfg: Config):
+    """`Config.operands="stored"`: one chunk's A (.) Q, A (.) K, E (.) K (as bf16 pairs for "split" products) and
+    gamma, for BK channels; the operations of `_load_operands`'s inline branch, so the values are the same."""
+    geo = _geometry(cfg.chunk_size)
+    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+    bound = _boundary(geo, g_ref[...], glo_ref[...], carry_ref[...], tail_ref[...])
+    *tiles, gamma_ref = out_refs
+    n = len(tiles) // 3
+    for i, x in enumerate((bound.a * q, bound.a * k, bound.e * k)):
+        refs = tiles[i * n:(i + 1) * n]
+        if n == 2:
+            refs[0][...], refs[1][...] = _split_bf16(x)
+        else:
+            refs[0][...] = x
+    gamma_ref[...] = bound.gamma
+
+
+def _stored_operands(cfg, q, k, g, glo, carry, tail):
+    """(qa..., ak..., ke..., gamma): [B, Tp, Hv, K] tiles (two bf16 each for "split" products, else one fp32) and
+    gamma [B, Hv, chunks * K] fp32, from `_operands_kernel`, grid (K/BK, chunks, B*Hv)."""
+    B, Tp, _, K = q.shape
+    Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
+    BK = min(cfg.block_k, K)
+    nk, nt = K // BK, Tp // C
+    key = pl.BlockSpec((None, C, None, BK), lambda kb, i, bh: (bh // Hv, i, (bh % Hv) // G, kb))
+    channel = pl.BlockSpec((None, C, None, BK), lambda kb, i, bh: (bh // Hv, i, bh % Hv, kb))
+    seq = pl.BlockSpec((None, C), lambda kb, i, bh: (bh // Hv, i))
+    gamma = pl.BlockSpec((None, None, BK), lambda kb, i, bh: (bh // Hv, bh % Hv, i * nk + kb))
+    n = 2 if cfg.dots == "split" else 1
+    tile = jax.ShapeDtypeStruct((B, Tp, Hv, K), BF16 if n == 2 else F32)
+    return tuple(pl.pallas_call(
+        functools.partial(_operands_kernel, cfg=cfg),
+        grid=(nk, nt, B * Hv),
+        in_specs=[key, key, channel, channel, seq, seq],
+        out_specs=[channel] * (3 * n) + [gamma],
+        out_shape=[tile] * (3 * n) + [jax.ShapeDtypeStruct((B, Hv, nt * K), F32)],
+        compiler_params=_params(cfg.prepare_warps, cfg.stages),
+        interpret=cfg.interpret,
+        name="kda_operands",
+    )(q, k, g, glo, carry, tail))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (4)-(6): the sequential passes over chunks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _pseudo_values(ak, v, t, beta, s, mode):
     """(4): u = T diag(beta) (V - (A (.) K) S_0), the values the chunk writes into the state (fp32, C x BV)."""
-    y = v.astype(F32) - _dot(a * k, s, mode=mode)
+    y = v.astype(F32) - _odot(ak, s, mode=mode)
     return _dot(t, beta[:, None] * y, mode=mode)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, carry_ref, tail_ref, t_ref, p_ref, h0_ref,
-                    o_ref, final_ref, *states_ref, cfg: Config, nt: int):
-    C, mode = cfg.chunk_size, cfg.dots
-    K = q_ref.shape[-1]
-    geo = _geometry(C)
+def _chunk_rows(cfg, i, K):
+    """(rows of chunk i in a sequence, its K entries in a per-chunk (K,) array)."""
+    C = cfg.chunk_size
+    return pl.ds(pl.multiple_of(i * C, C), C), pl.ds(pl.multiple_of(i * K, K), K)
+
+
+def _forward_kernel(*refs, cfg: Config, nt: int):
+    n = _n_source(cfg)
+    src = refs[:n]
+    v_ref, beta_ref, t_ref, p_ref, h0_ref, o_ref, final_ref, *states_ref = refs[n:]
+    mode = cfg.dots
+    K = h0_ref.shape[0]
+    geo = _geometry(cfg.chunk_size)
 
     def chunk(i, s):
         """s: the state block at the start of chunk i; returns the one at its end."""
-        rows = pl.ds(pl.multiple_of(i * C, C), C)
+        rows, per_chunk = _chunk_rows(cfg, i, K)
         if states_ref:
-            states_ref[0][pl.ds(pl.multiple_of(i * K, K), K), :] = s
-        q, k = q_ref[rows, :].astype(F32), k_ref[rows, :].astype(F32)
-        bound = _boundary(geo, g_ref[rows, :], glo_ref[rows, :], carry_ref[rows], tail_ref[rows])
-        u = _pseudo_values(bound.a, k, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s, mode)
-        o = cfg.scale * (_dot(bound.a * q, s, mode=mode) + _dot(p_ref[rows, :], u, mode=mode))
+            states_ref[0][per_chunk, :] = s
+        ops = _load_operands(cfg, geo, src, rows, per_chunk)
+        u = _pseudo_values(ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s, mode)
+        o = cfg.scale * (_odot(ops.qa, s, mode=mode) + _dot(p_ref[rows, :], u, mode=mode))
         o_ref[rows, :] = o.astype(o_ref.dtype)
-        return bound.gamma[:, None] * s + _dot(bound.e * k, u, ta=True, mode=mode)
+        return ops.gamma[:, None] * s + _odot(ops.ke, u, ta=True, mode=mode)
 
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
 
 
-def _state_kernel(k_ref, v_ref, beta_ref, g_ref, glo_ref, carry_ref, tail_ref, t_ref, h0_ref, final_ref,
-                  states_ref, *, cfg: Config, nt: int):
+def _state_kernel(*refs, cfg: Config, nt: int):
     """`Config.forward="split"`: (4) and (6) only, writing every chunk's start state."""
-    C, mode = cfg.chunk_size, cfg.dots
-    K = k_ref.shape[-1]
-    geo = _geometry(C)
+    n = _n_source(cfg)
+    src = refs[:n]
+    v_ref, beta_ref, t_ref, h0_ref, final_ref, states_ref = refs[n:]
+    mode = cfg.dots
+    K = h0_ref.shape[0]
+    geo = _geometry(cfg.chunk_size)
 
     def chunk(i, s):
-        rows = pl.ds(pl.multiple_of(i * C, C), C)
-        states_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = s
-        k = k_ref[rows, :].astype(F32)
-        bound = _boundary(geo, g_ref[rows, :], glo_ref[rows, :], carry_ref[rows], tail_ref[rows])
-        u = _pseudo_values(bound.a, k, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s, mode)
-        return bound.gamma[:, None] * s + _dot(bound.e * k, u, ta=True, mode=mode)
+        rows, per_chunk = _chunk_rows(cfg, i, K)
+        states_ref[per_chunk, :] = s
+        ops = _load_operands(cfg, geo, src, rows, per_chunk, with_q=False)
+        u = _pseudo_values(ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s, mode)
+        return ops.gamma[:, None] * s + _odot(ops.ke, u, ta=True, mode=mode)
 
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
 
 
-def _output_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, carry_ref, t_ref, p_ref, s_ref, o_ref, *,
-                   cfg: Config):
+def _output_kernel(*refs, cfg: Config):
     """`Config.forward="split"`: (4) and (5) for one chunk and V block from its saved start state; the same
     operations as the pass's, so u is the value the pass carried on."""
+    n = _n_source(cfg)
+    src = refs[:n]
+    v_ref, beta_ref, t_ref, p_ref, s_ref, o_ref = refs[n:]
     mode = cfg.dots
-    q, k, s = q_ref[...].astype(F32), k_ref[...].astype(F32), s_ref[...]
-    a = carry_ref[...][:, None] * jnp.exp(g_ref[...] + glo_ref[...])  # G <= 0 inside the chunk: no overflow
-    u = _pseudo_values(a, k, v_ref[...], t_ref[...], beta_ref[...], s, mode)
-    o = cfg.scale * (_dot(a * q, s, mode=mode) + _dot(p_ref[...], u, mode=mode))
+    s = s_ref[...]
+    ops = _load_operands(cfg, _geometry(cfg.chunk_size), src, slice(None), slice(None))
+    u = _pseudo_values(ops.ak, v_ref[...], t_ref[...], beta_ref[...], s, mode)
+    o = cfg.scale * (_odot(ops.qa, s, mode=mode) + _dot(p_ref[...], u, mode=mode))
     o_ref[...] = o.astype(o_ref.dtype)
 
 
-def _split_forward(cfg, q, k, v, beta, g, glo, carry, tail, t, p, h0):
+def _output_specs(cfg, K, OV):
+    """BlockSpecs of `_output_kernel`, grid (V/OV, chunks, B*Hv): one chunk of one head, V block j."""
+    Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
+    head = lambda i, bh: (bh // Hv, i, bh % Hv)
+    return dict(
+        key=pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0)),
+        channel=pl.BlockSpec((None, C, None, K), lambda j, i, bh: head(i, bh) + (0,)),
+        value=pl.BlockSpec((None, C, None, OV), lambda j, i, bh: head(i, bh) + (j,)),
+        gate=pl.BlockSpec((None, C, None), lambda j, i, bh: head(i, bh)),
+        seq=pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
+        square=pl.BlockSpec((None, C, None, C), lambda j, i, bh: head(i, bh) + (0,)),
+        gamma=pl.BlockSpec((None, None, K), lambda j, i, bh: (bh // Hv, bh % Hv, i)),
+        state=pl.BlockSpec((None, None, K, OV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j)),
+    )
+
+
+def _split_forward(cfg, src, v, beta, t, p, h0):
     """(O, final state, start states) by `_state_kernel` then `_output_kernel`."""
-    B, Tp, _, K = q.shape
-    Hv, V = v.shape[2], v.shape[3]
-    C, G = cfg.chunk_size, cfg.value_heads // cfg.key_heads
-    nt = Tp // C
+    B, Tp, Hv, V = v.shape
+    K = h0.shape[2]
+    nt = Tp // cfg.chunk_size
     BV = min(cfg.block_v, V)
     sp = _sequence_specs(cfg, Tp, K, BV)
     final, starts = pl.pallas_call(
         functools.partial(_state_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
-        in_specs=[sp["key"], sp["value"], sp["gate"], sp["channel"], sp["channel"], sp["seq"], sp["seq"],
-                  sp["square"], sp["state"]],
+        in_specs=_source_specs(cfg, sp) + [sp["value"], sp["gate"], sp["square"], sp["state"]],
         out_specs=[sp["state"], sp["states"]],
         out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32)],
-        compiler_params=_params(cfg.warps, cfg.stages),
+        compiler_params=_params(cfg.warps, cfg.pass_stages),
         interpret=cfg.interpret,
         name="kda_state_pass",
-    )(k, v, beta, g, glo, carry, tail, t, h0)
+    )(*src, v, beta, t, h0)
     OV = min(cfg.output_block_v, V)
-    head = lambda i, bh: (bh // Hv, i, bh % Hv)
+    op = _output_specs(cfg, K, OV)
     o = pl.pallas_call(
         functools.partial(_output_kernel, cfg=cfg),
         grid=(V // OV, nt, B * Hv),
-        in_specs=[
-            pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0)),  # q
-            pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0)),  # k
-            pl.BlockSpec((None, C, None, OV), lambda j, i, bh: head(i, bh) + (j,)),  # v
-            pl.BlockSpec((None, C, None), lambda j, i, bh: head(i, bh)),  # beta
-            pl.BlockSpec((None, C, None, K), lambda j, i, bh: head(i, bh) + (0,)),  # G hi
-            pl.BlockSpec((None, C, None, K), lambda j, i, bh: head(i, bh) + (0,)),  # G lo
-            pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),  # carry
-            pl.BlockSpec((None, C, None, C), lambda j, i, bh: head(i, bh) + (0,)),  # T
-            pl.BlockSpec((None, C, None, C), lambda j, i, bh: head(i, bh) + (0,)),  # P
-            pl.BlockSpec((None, None, K, OV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j)),  # start state
-        ],
-        out_specs=pl.BlockSpec((None, C, None, OV), lambda j, i, bh: head(i, bh) + (j,)),
+        in_specs=_source_specs(cfg, op) + [op["value"], op["gate"], op["square"], op["square"], op["state"]],
+        out_specs=op["value"],
         out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype),
         compiler_params=_params(cfg.warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_output",
-    )(q, k, v, beta, g, glo, carry, t, p, starts)
+    )(*src, v, beta, t, p, starts)
     return o, final, starts
 
 
-def _forward_pass(cfg, q, k, v, beta, g, glo, carry, tail, t, p, h0, *, with_states):
+def _forward_pass(cfg, src, v, beta, t, p, h0, *, with_states):
     if cfg.forward == "split":
-        o, final, starts = _split_forward(cfg, q, k, v, beta, g, glo, carry, tail, t, p, h0)
+        o, final, starts = _split_forward(cfg, src, v, beta, t, p, h0)
         return (o, final, starts) if with_states else (o, final)
-    B, Tp, _, K = q.shape
-    Hv, V = v.shape[2], v.shape[3]
+    B, Tp, Hv, V = v.shape
+    K = h0.shape[2]
     BV = min(cfg.block_v, V)
     nt = Tp // cfg.chunk_size
     sp = _sequence_specs(cfg, Tp, K, BV)
@@ -639,56 +788,54 @@ def _forward_pass(cfg, q, k, v, beta, g, glo, carry, tail, t, p, h0, *, with_sta
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
-        in_specs=[sp["key"], sp["key"], sp["value"], sp["gate"], sp["channel"], sp["channel"], sp["seq"],
-                  sp["seq"], sp["square"], sp["square"], sp["state"]],
+        in_specs=_source_specs(cfg, sp) + [sp["value"], sp["gate"], sp["square"], sp["square"], sp["state"]],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_params(cfg.warps, cfg.stages),
+        compiler_params=_params(cfg.warps, cfg.pass_stages),
         interpret=cfg.interpret,
         name="kda_forward",
-    )(q, k, v, beta, g, glo, carry, tail, t, p, h0)
+    )(*src, v, beta, t, p, h0)
 
 
-def _reverse_kernel(q_ref, k_ref, beta_ref, g_ref, glo_ref, carry_ref, tail_ref, t_ref, p_ref, do_ref, dfinal_ref,
-                    dh0_ref, dends_ref, *, cfg: Config, nt: int):
-    C, mode = cfg.chunk_size, cfg.dots
-    K = q_ref.shape[-1]
-    geo = _geometry(C)
+def _reverse_kernel(*refs, cfg: Config, nt: int):
+    n = _n_source(cfg)
+    src = refs[:n]
+    beta_ref, t_ref, p_ref, do_ref, dfinal_ref, dh0_ref, dends_ref = refs[n:]
+    mode = cfg.dots
+    K = dfinal_ref.shape[0]
+    geo = _geometry(cfg.chunk_size)
 
-    def chunk(n, ds):
-        """ds: dL/d(state at the end of chunk i = nt-1-n); returns dL/d(state at its start)."""
-        i = nt - 1 - n
-        rows = pl.ds(pl.multiple_of(i * C, C), C)
-        dends_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = ds
-        q, k = q_ref[rows, :].astype(F32), k_ref[rows, :].astype(F32)
-        bound = _boundary(geo, g_ref[rows, :], glo_ref[rows, :], carry_ref[rows], tail_ref[rows])
+    def chunk(m, ds):
+        """ds: dL/d(state at the end of chunk i = nt-1-m); returns dL/d(state at its start)."""
+        rows, per_chunk = _chunk_rows(cfg, nt - 1 - m, K)
+        dends_ref[per_chunk, :] = ds
+        ops = _load_operands(cfg, geo, src, rows, per_chunk)
         do = do_ref[rows, :]
         # Through (5) and (6): du = scale P^T dO + (E (.) K) dS_1; through (4): d(beta y) = T^T du.
-        du = cfg.scale * _dot(p_ref[rows, :], do, ta=True, mode=mode) + _dot(bound.e * k, ds, mode=mode)
+        du = cfg.scale * _dot(p_ref[rows, :], do, ta=True, mode=mode) + _odot(ops.ke, ds, mode=mode)
         dx = _dot(t_ref[rows, :], du, ta=True, mode=mode)
-        return (bound.gamma[:, None] * ds + cfg.scale * _dot(bound.a * q, do, ta=True, mode=mode)
-                - _dot(bound.a * k, beta_ref[rows][:, None] * dx, ta=True, mode=mode))
+        return (ops.gamma[:, None] * ds + cfg.scale * _odot(ops.qa, do, ta=True, mode=mode)
+                - _odot(ops.ak, beta_ref[rows][:, None] * dx, ta=True, mode=mode))
 
     dh0_ref[...] = lax.fori_loop(0, nt, chunk, dfinal_ref[...])
 
 
-def _reverse_pass(cfg, q, k, beta, g, glo, carry, tail, t, p, do, dfinal):
-    B, Tp, _, K = q.shape
-    Hv, V = do.shape[2], do.shape[3]
+def _reverse_pass(cfg, src, beta, t, p, do, dfinal):
+    B, Tp, Hv, V = do.shape
+    K = dfinal.shape[2]
     BV = min(cfg.block_v, V)
     nt = Tp // cfg.chunk_size
     sp = _sequence_specs(cfg, Tp, K, BV)
     return pl.pallas_call(
         functools.partial(_reverse_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
-        in_specs=[sp["key"], sp["key"], sp["gate"], sp["channel"], sp["channel"], sp["seq"], sp["seq"],
-                  sp["square"], sp["square"], sp["value"], sp["state"]],
+        in_specs=_source_specs(cfg, sp) + [sp["gate"], sp["square"], sp["square"], sp["value"], sp["state"]],
         out_specs=[sp["state"], sp["states"]],
         out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32)],
-        compiler_params=_params(cfg.warps, cfg.stages),
+        compiler_params=_params(cfg.reverse_warps, cfg.pass_stages),
         interpret=cfg.interpret,
         name="kda_reverse",
-    )(q, k, beta, g, glo, carry, tail, t, p, do, dfinal)
+    )(*src, beta, t, p, do, dfinal)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -696,29 +843,39 @@ def _reverse_pass(cfg, q, k, beta, g, glo, carry, tail, t, p, do, dfinal):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _grad_v_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, doc_ref, carry_ref, tail_ref, t_ref, p_ref,
-                   s0_ref, dend_ref, do_ref, dv_ref, dq_ref, dk_ref, dg_ref, de_ref, dbeta_ref, dp_ref, dm_ref, *,
-                   cfg: Config):
-    """The V-contractions of one chunk (a loop over V blocks): dv, and the state/boundary terms of dq, dk, dG,
-    dbeta with dE; dP (scaled, masked s <= t) and dL/d(diag(beta) R) (masked s < t) for the pair kernel."""
+def _grad_v_kernel(*refs, cfg: Config):
+    """The V-contractions of one chunk (a loop over V blocks): dv, dbeta, and the state/boundary terms of dq, dk,
+    dG with dE; dP (scaled, masked s <= t) and dL/d(diag(beta) R) (masked s < t) for the pair kernel.
+
+    With stored operands the loop loads A (.) K and E (.) K as dot operands, and A, E are formed after it, for the
+    boundary terms only: fewer C x K fp32 tiles live across the loop."""
+    n = _n_source(cfg) if cfg.operands == "stored" else 0
+    src = refs[:n]
+    (q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, doc_ref, carry_ref, tail_ref, t_ref, p_ref, r_ref, s0_ref,
+     dend_ref, do_ref, dv_ref, dq_ref, dk_ref, dg_ref, de_ref, dbeta_ref, dp_ref, dm_ref) = refs[n:]
     C, mode = cfg.chunk_size, cfg.dots
     K, V = k_ref.shape[-1], v_ref.shape[-1]
     BV = min(cfg.grad_block_v, V)
     geo = _geometry(C)
-    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
     beta = beta_ref[...]
-    bound = _boundary(geo, g_ref[...], glo_ref[...], carry_ref[...], tail_ref[...])
-    a, e = bound.a, bound.e
-    ka, ke = a * k, e * k
+    boundary = lambda: _boundary(geo, g_ref[...], glo_ref[...], carry_ref[...], tail_ref[...])
+    if not src:
+        bound = boundary()
+        inline = (bound.a * k_ref[...].astype(F32), bound.e * k_ref[...].astype(F32))
 
     def v_block(j, acc):
         dqa, dka, dke, dp, dm, dbeta, dgamma = acc
         cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
         s0, dend, do = s0_ref[:, cols], dend_ref[:, cols], do_ref[:, cols]
         t = t_ref[...]
-        y = v_ref[:, cols].astype(F32) - _dot(ka, s0, mode=mode)
+        if src:
+            ops = _load_operands(cfg, geo, src, slice(None), slice(None), with_q=False)
+            ka, ke = ops.ak, ops.ke
+        else:
+            ka, ke = inline
+        y = v_ref[:, cols].astype(F32) - _odot(ka, s0, mode=mode)
         u = _dot(t, beta[:, None] * y, mode=mode)
-        du = cfg.scale * _dot(p_ref[...], do, ta=True, mode=mode) + _dot(ke, dend, mode=mode)
+        du = cfg.scale * _dot(p_ref[...], do, ta=True, mode=mode) + _odot(ke, dend, mode=mode)
         dx = _dot(t, du, ta=True, mode=mode)  # dL/d(beta y)
         dv_ref[:, cols] = (beta[:, None] * dx).astype(dv_ref.dtype)
         dqa = dqa + _dot(do, s0, tb=True, mode=mode)  # / scale
@@ -733,12 +890,17 @@ def _grad_v_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, doc_ref, carry
     zeros = lambda *shape: jnp.zeros(shape, F32)
     acc = (zeros(C, K), zeros(C, K), zeros(C, K), zeros(C, C), zeros(C, C), zeros(C), zeros(K))
     dqa, dka, dke, dp, dm, dbeta, dgamma = lax.fori_loop(0, V // BV, v_block, acc)
+    if src:
+        bound = boundary()
+    a, e = bound.a, bound.e
+    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
 
     incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
     dqa = cfg.scale * dqa
     dp_ref[...] = jnp.where(incl, cfg.scale * dp, 0.0)
-    dm_ref[...] = jnp.where(strict, dm, 0.0)
-    dbeta_ref[...] = dbeta
+    dm = jnp.where(strict, dm, 0.0)
+    dm_ref[...] = dm
+    dbeta_ref[...] = dbeta + jnp.sum(dm * r_ref[...], axis=1)  # through R's factor diag(beta)
     dq_ref[...] = a * dqa
     dk_ref[...] = e * dke + a * dka
     # dG through A = carry exp(G) and gamma = carry_C exp(G_C) (at the last token). E's share goes out separately
@@ -749,9 +911,10 @@ def _grad_v_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, doc_ref, carry
     de_ref[...] = k * dke * e
 
 
-def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, r_ref, dp_ref, dm_ref, dq_in_ref, dk_in_ref,
-                      dg_in_ref, dbeta_in_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, *, cfg: Config):
-    """The pair terms of one chunk in 16 x 16 blocks, added to the V kernel's partials:
+def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dq_in_ref, dk_in_ref, dg_in_ref,
+                      dq_ref, dk_ref, dg_ref, *, cfg: Config):
+    """The pair terms of one chunk and BK channels (every output is per channel) in 16 x 16 blocks, added to the
+    V kernel's partials:
 
     left(M, B)_tc = sum_{s<t} M_ts B_sc D_tsc (M = dP with B = K, M = dR with B = K) and
     right_sc = sum_{t>s} (dP_ts Q_tc + dR_ts K_tc) D_tsc; blocks i > j fold the reference split into the operands
@@ -790,7 +953,6 @@ def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, r_ref, dp_ref, dm_
 
         zeros = jnp.zeros((SUB, K), F32)
         left_p, left_r, right[i] = lax.fori_loop(0, SUB, column, (zeros, zeros, right[i]))
-        dbeta = dbeta_in_ref[_blk(i)] + jnp.sum(dm_ii * block(r_ref, i, i), axis=1)
         for j in range(i):
             ref = _reference(g_ref, glo_ref, j)
             to = _to_ref(gates_i, ref)
@@ -801,10 +963,8 @@ def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, r_ref, dp_ref, dm_
             left_r = left_r + to * _dot(dr_ij, k_from, mode=mode)
             right[j] = right[j] + _from_ref(_gates(g_ref, glo_ref, _blk(j)), ref) * (
                 _dot(dp_ij, q_i * to, ta=True, mode=mode) + _dot(dr_ij, k_i * to, ta=True, mode=mode))
-            dbeta = dbeta + jnp.sum(dm_ij * block(r_ref, i, j), axis=1)
         dp_self = jnp.sum(jnp.where(rows == cols, dp_ii, 0.0), axis=1)[:, None]
         dq_ref[_blk(i), :] = dq_in_ref[_blk(i), :] + left_p + dp_self * k_i
-        dbeta_ref[_blk(i)] = dbeta
         dk_rest.append(dk_in_ref[_blk(i), :] + left_r + dp_self * q_i)
         dg_rest.append(dg_in_ref[_blk(i), :] + q_i * left_p + k_i * left_r)
     for i in range(nb):
@@ -812,39 +972,56 @@ def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, r_ref, dp_ref, dm_
         dg_ref[_blk(i), :] = dg_rest[i] - row_block(k_ref, i) * right[i]
 
 
-def _grads(cfg, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do):
+def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do):
+    """`_grad_v_kernel`, grid (chunks, B*Hv): (dv, dq, dk, dG, dE, dbeta, dP, dM) with dq, dk, dG partial."""
     B, Tp, _, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     C = cfg.chunk_size
     sp = _chunk_specs(cfg, K, V)
-    grid = (Tp // C, B * Hv)
     per_channel = jax.ShapeDtypeStruct((B, Tp, Hv, K), F32)
-    per_token = jax.ShapeDtypeStruct((B, Tp, Hv), F32)
     square = jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)
-    dv, dq, dk, dg, de, dbeta, dp, dm = pl.pallas_call(
+    src = src if cfg.operands == "stored" else ()
+    return pl.pallas_call(
         functools.partial(_grad_v_kernel, cfg=cfg),
-        grid=grid,
-        in_specs=[sp["key"], sp["key"], sp["value"], sp["gate"], sp["channel"], sp["channel"], sp["seq"], sp["seq"],
-                  sp["seq"], sp["square"], sp["square"], sp["state"], sp["state"], sp["value"]],
+        grid=(Tp // C, B * Hv),
+        in_specs=(_source_specs(cfg, sp) if src else []) + [
+            sp["key"], sp["key"], sp["value"], sp["gate"], sp["channel"], sp["channel"], sp["seq"], sp["seq"],
+            sp["seq"], sp["square"], sp["square"], sp["square"], sp["state"], sp["state"], sp["value"]],
         out_specs=[sp["value"], sp["channel"], sp["channel"], sp["channel"], sp["channel"], sp["gate"],
                    sp["square"], sp["square"]],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), per_channel, per_channel, per_channel,
-                   per_channel, per_token, square, square],
+                   per_channel, jax.ShapeDtypeStruct((B, Tp, Hv), F32), square, square],
         compiler_params=_params(cfg.grad_warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_grads_v",
-    )(q, k, v, beta, g, glo, doc, carry, tail, t, p, starts, dends, do)
-    dq, dk, dg, dbeta = pl.pallas_call(
+    )(*src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do)
+
+
+def _grads_pairs(cfg, q, k, g, glo, beta, dp, dm, dq, dk, dg):
+    """`_grad_pair_kernel`, grid (K/BK, chunks, B*Hv): dq, dk, dG with the pair terms added."""
+    B, Tp, _, K = q.shape
+    Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
+    BK = min(cfg.pair_block_k, K)
+    key = pl.BlockSpec((None, C, None, BK), lambda kb, i, bh: (bh // Hv, i, (bh % Hv) // G, kb))
+    channel = pl.BlockSpec((None, C, None, BK), lambda kb, i, bh: (bh // Hv, i, bh % Hv, kb))
+    square = pl.BlockSpec((None, C, None, C), lambda kb, i, bh: (bh // Hv, i, bh % Hv, 0))
+    gate = pl.BlockSpec((None, C, None), lambda kb, i, bh: (bh // Hv, i, bh % Hv))
+    return pl.pallas_call(
         functools.partial(_grad_pair_kernel, cfg=cfg),
-        grid=grid,
-        in_specs=[sp["key"], sp["key"], sp["channel"], sp["channel"], sp["gate"], sp["square"], sp["square"],
-                  sp["square"], sp["channel"], sp["channel"], sp["channel"], sp["gate"]],
-        out_specs=[sp["channel"], sp["channel"], sp["channel"], sp["gate"]],
-        out_shape=[per_channel, per_channel, per_channel, per_token],
+        grid=(K // BK, Tp // C, B * Hv),
+        in_specs=[key, key, channel, channel, gate, square, square, channel, channel, channel],
+        out_specs=[channel] * 3,
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, K), F32)] * 3,
         compiler_params=_params(cfg.pair_warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_grads_pairs",
-    )(q, k, g, glo, beta, r, dp, dm, dq, dk, dg, dbeta)
+    )(q, k, g, glo, beta, dp, dm, dq, dk, dg)
+
+
+def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do):
+    dv, dq, dk, dg, de, dbeta, dp, dm = _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts,
+                                                 dends, do)
+    dq, dk, dg = _grads_pairs(cfg, q, k, g, glo, beta, dp, dm, dq, dk, dg)
     return dq, dk, dv, dbeta, dg, de
 
 
@@ -865,14 +1042,16 @@ def _cumulative(cfg, log_decay):
 def _kda(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     g, glo = _cumulative(cfg, log_decay)
     t, p = _prepare(cfg, q, k, g, glo, beta, doc)
-    return tuple(_forward_pass(cfg, q, k, v, beta, g, glo, carry, tail, t, p, h0, with_states=False))
+    src = _source(cfg, q, k, g, glo, carry, tail)
+    return tuple(_forward_pass(cfg, src, v, beta, t, p, h0, with_states=False))
 
 
 def _kda_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     # Residuals: the inputs, P, T and R (C x C per chunk) and the chunk start states (K x V fp32 per chunk).
     g, glo = _cumulative(cfg, log_decay)
     t, p, r = _prepare(cfg, q, k, g, glo, beta, doc, with_r=True)
-    o, final, starts = _forward_pass(cfg, q, k, v, beta, g, glo, carry, tail, t, p, h0, with_states=True)
+    src = _source(cfg, q, k, g, glo, carry, tail)
+    o, final, starts = _forward_pass(cfg, src, v, beta, t, p, h0, with_states=True)
     return (o, final), (q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts)
 
 
@@ -880,8 +1059,12 @@ def _kda_bwd(cfg, residuals, cotangents):
     q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts = residuals
     do, dfinal = cotangents
     do = do.astype(v.dtype)
-    dh0, dends = _reverse_pass(cfg, q, k, beta, g, glo, carry, tail, t, p, do, dfinal.astype(F32))
-    dq, dk, dv, dbeta, dg, de = _grads(cfg, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do)
+    # Stored operands are formed again rather than saved: a chunk-parallel kernel, against 3 C x K pairs per chunk
+    # kept alive from the forward to the backward.
+    src = _source(cfg, q, k, g, glo, carry, tail)
+    dh0, dends = _reverse_pass(cfg, src, beta, t, p, do, dfinal.astype(F32))
+    dq, dk, dv, dbeta, dg, de = _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends,
+                                       do)
     B, Tp, H, K = q.shape
     Hv, C = cfg.value_heads, cfg.chunk_size
     G = Hv // H
@@ -912,7 +1095,12 @@ GRAD_BLOCK_V = 32
 
 
 def default_config(q, v, *, scale, chunk_size, segmented, interpret):
-    """fp32 inputs get IEEE fp32 products everywhere; 16-bit inputs the bf16x3 "split" products."""
+    """fp32 inputs get IEEE fp32 products everywhere; 16-bit inputs the bf16x3 "split" products.
+
+    Register pressure sets the rest (H100, 8x2048x16x128 bf16, 2026-11-25, docs/kernels.md): stored operands
+    (passes 3.6 -> 0.9 ms forward, 4.1 -> 1.1 ms reverse; one pipeline stage, two asked for more shared memory
+    than there is), 32 channels per step of prepare (4.5 -> 2.9 ms) and per program of the pair gradients, 8 warps
+    for the V gradient kernel."""
     V = _pow2_at_least_16(v.shape[3])
     fp32 = jnp.dtype(q.dtype) == jnp.float32
     return Config(scale=float(scale), chunk_size=int(chunk_size), key_heads=q.shape[2], value_heads=v.shape[2],
@@ -920,7 +1108,8 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   prepare="partner",
                   block_v=sequential_block_v(q.shape[0] * v.shape[2], V, BLOCK_V, KDA_NARROWEST_BLOCK_V),
                   grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=4,
-                  grad_warps=4, pair_warps=8, stages=2, interpret=interpret)
+                  grad_warps=8, pair_warps=4, stages=2, interpret=interpret,
+                  operands="stored", pass_stages=1, block_k=32, pair_block_k=32, reverse_warps=4)
 
 
 def _pow2_at_least_16(n):

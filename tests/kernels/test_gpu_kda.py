@@ -210,13 +210,17 @@ def test_other_chunk_sizes(chunk_size):
 @pytest.mark.parametrize("overrides", [dict(inverse="blocks"), dict(prepare="blocks"),
                                        dict(prepare="blocks", inverse="blocks"), dict(block_v=32, grad_block_v=16),
                                        dict(block_v=64), dict(forward="split"),
-                                       dict(forward="split", block_v=16, output_block_v=32)],
+                                       dict(forward="split", block_v=16, output_block_v=32),
+                                       dict(operands="inline"), dict(operands="inline", forward="split"),
+                                       dict(block_k=16, pair_block_k=64), dict(block_k=64, pair_block_k=16)],
                          ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks", "wide_v_blocks",
-                              "split_forward", "split_forward_v_blocks"])
+                              "split_forward", "split_forward_v_blocks", "inline_operands", "inline_split_forward",
+                              "channel_blocks_16_64", "channel_blocks_64_16"])
 def test_config_variants_fp32(overrides):
     """`Config.inverse="blocks"` (16 x 16 substitutions + block merges, the 16-bit default), the 16 x 16 block
-    prepare kernel and other V blocks meet the fp32 bounds on ordinary input."""
-    x = _inputs(T=130, B=1, V=64)
+    prepare kernel, other V blocks, inline operands and channel blocks (K = 32: two blocks of 16) meet the fp32
+    bounds on ordinary input."""
+    x = _inputs(T=130, B=1, K=32, V=64)
     cfg = default_config(x["q"], x["v"], scale=0.3, chunk_size=64, segmented=True, interpret=not ON_GPU)
     assert cfg.inverse == "rows"  # the fp32 default
     fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, **overrides))
@@ -227,6 +231,10 @@ def test_config_variants_fp32(overrides):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, prepare="dense")), x)
     with pytest.raises(ValueError, match="forward"):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, forward="chunked")), x)
+    with pytest.raises(ValueError, match="operands"):
+        _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, operands="cached")), x)
+    with pytest.raises(ValueError, match="block_k"):
+        _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, block_k=24)), x)
 
 
 @pytest.mark.parametrize("family", ADVERSARIAL)
@@ -267,6 +275,25 @@ def test_bf16_split_products_in_interpreter():
     x = _round_trip_bf16(_inputs(T=130, B=1, K=32, V=32))
     x["scale"] = 32 ** -0.5
     _check(x, BF16_OUT_TOL, _bf16_grad_tol, label="bf16-interpreter")
+
+
+@pytest.mark.parametrize("forward", ["fused", "split"])
+def test_bf16_stored_operands_equal_inline_in_interpreter(forward):
+    """Stored operands (bf16 pairs written by `_operands_kernel`) are the values the inline passes form in every
+    step, so both give the same outputs and gradients (to fp32 summation order); K = 64 runs two channel blocks of
+    32 in prepare, the operand kernel and the pair gradients."""
+    x = _round_trip_bf16(_inputs(T=130, B=1, K=64, V=32))
+    x["scale"] = 64 ** -0.5
+    cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
+    assert (cfg.dots, cfg.operands, cfg.block_k, cfg.pair_block_k) == ("split", "stored", 32, 32)
+    results = {}
+    for operands in ("stored", "inline"):
+        fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, operands=operands, forward=forward))
+        _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"{operands}-{forward}-bf16")
+        results[operands] = (_call(fn, x), _grads(fn, x))
+    (out_s, grads_s), (out_i, grads_i) = results["stored"], results["inline"]
+    for a, b in zip(jax.tree.leaves((out_s, grads_s)), jax.tree.leaves((out_i, grads_i))):
+        assert relative_error(a.astype(jnp.float32), b.astype(jnp.float32)) <= 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -414,17 +441,25 @@ def _lower_for_cuda(K, V, dtype, *, T=130, segmented=True, init=True, overrides=
     return tuple(counts)
 
 
+def _expected_kernels(overrides=None):
+    """(Triton calls in the forward, in the forward + gradients). Forward: prepare, the stored operands, the
+    forward pass. With gradients: prepare, operands, forward pass with states, operands again (formed, not saved),
+    reverse pass, the V and the pair gradient kernels. "inline" operands drop the operand kernels; the "split"
+    forward is two kernels (state pass, then output)."""
+    cfg = dict(dict(operands="stored", forward="fused"), **(overrides or {}))
+    fwd, both = (3, 7) if cfg["operands"] == "stored" else (2, 5)
+    return (fwd + 1, both + 1) if cfg["forward"] == "split" else (fwd, both)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_lowers_for_cuda_every_supported_config(dtype):
-    # Forward: prepare, forward pass. With gradients: prepare, forward pass with states, reverse pass, the V and
-    # the pair gradient kernels.
     for K, V in itertools.product(pallas_gpu.KDA_HEAD_DIMS, repeat=2):
-        assert _lower_for_cuda(K, V, jnp.dtype(dtype)) == (2, 5), (K, V, dtype)
+        assert _lower_for_cuda(K, V, jnp.dtype(dtype)) == _expected_kernels(), (K, V, dtype)
 
 
 def test_lowers_for_cuda_flags():
     for segmented, init in itertools.product((False, True), repeat=2):
-        assert _lower_for_cuda(128, 128, jnp.bfloat16, T=64, segmented=segmented, init=init) == (2, 5)
+        assert _lower_for_cuda(128, 128, jnp.bfloat16, T=64, segmented=segmented, init=init) == _expected_kernels()
 
 
 # Every config knob a sweep may set (experiments/bench_kda_gpu.py): both inverses, warps, V blocks, stages.
@@ -439,21 +474,25 @@ CONFIG_VARIANTS = {
     "stages": dict(stages=3),
     "split_forward": dict(forward="split"),
     "split_forward_blocks": dict(forward="split", block_v=32, output_block_v=128, warps=8),
+    "inline": dict(operands="inline", pass_stages=2),
+    "inline_split": dict(operands="inline", forward="split"),
+    "channel_blocks": dict(block_k=16, pair_block_k=64, pair_warps=8, reverse_warps=8, grad_warps=4),
+    "whole_channels": dict(block_k=128, pair_block_k=128),
 }
 
 
 @pytest.mark.parametrize("variant", list(CONFIG_VARIANTS))
 def test_lowers_for_cuda_config_variants(variant):
-    # "split" runs the forward as two kernels (state pass, then output): one more in each count.
-    expected = (3, 6) if CONFIG_VARIANTS[variant].get("forward") == "split" else (2, 5)
+    overrides = CONFIG_VARIANTS[variant]
     for dtype in (jnp.bfloat16, jnp.float32):
-        assert _lower_for_cuda(128, 128, dtype, T=64, overrides=CONFIG_VARIANTS[variant]) == expected, dtype
+        assert _lower_for_cuda(128, 128, dtype, T=64, overrides=overrides) == _expected_kernels(overrides), dtype
 
 
 def test_split_forward_lowers_for_cuda_every_supported_config():
+    split = dict(forward="split")
     for (K, V), dtype in itertools.product(itertools.product(pallas_gpu.KDA_HEAD_DIMS, repeat=2),
                                            (jnp.bfloat16, jnp.float32)):
-        assert _lower_for_cuda(K, V, dtype, overrides=dict(forward="split")) == (3, 6), (K, V, dtype)
+        assert _lower_for_cuda(K, V, dtype, overrides=split) == _expected_kernels(split), (K, V, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------

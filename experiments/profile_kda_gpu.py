@@ -1,0 +1,44 @@
+"""Runs the KDA Triton kernels a fixed number of times, for a profiler (Nsight Compute) to capture.
+
+    ncu --kernel-name regex:'kda' --launch-skip 8 --launch-count 8 --section LaunchStats \
+        python3 experiments/profile_kda_gpu.py --size=8x2048x16x128 --calls=2 --variant=default
+
+Each call runs the forward alone and then forward+backward, so skipping the first call's launches profiles a warm
+second call. `--variant` applies a variant of `bench_kda_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+
+from deltajax.kernels.gpu import kda
+from bench_kda_gpu import VARIANTS, inputs  # experiments/
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("size", "8x2048x16x128", "BxTxHxD (K = V = D, Hv = H).")
+flags.DEFINE_integer("calls", 2, "Calls of the forward and of forward+backward.")
+flags.DEFINE_string("variant", "default", "A name from bench_kda_gpu.VARIANTS.")
+
+
+def main(argv):
+    del argv
+    B, T, H, D = (int(x) for x in FLAGS.size.split("x"))
+    q, k, v, beta, log_decay = inputs(B, T, H, D)
+    cfg = kda.default_config(q, v, scale=D ** -0.5, chunk_size=64, segmented=False, interpret=False)
+    cfg = dataclasses.replace(cfg, **VARIANTS[FLAGS.variant])
+    run = lambda *a: kda.kda_chunk(*a, scale=D ** -0.5, initial_state=None, segment_ids=None, config=cfg)
+    forward = jax.jit(lambda *a: run(*a)[0])
+    loss = lambda *a: jnp.sum(run(*a)[0].astype(jnp.float32))
+    both = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    for _ in range(FLAGS.calls):
+        jax.block_until_ready(forward(q, k, v, beta, log_decay))
+        jax.block_until_ready(both(q, k, v, beta, log_decay))
+    print("done", FLAGS.size, FLAGS.variant, cfg)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,10 +1,14 @@
 """Runs the KDA Triton kernels a fixed number of times, for a profiler (Nsight Compute) to capture.
 
-    ncu --kernel-name regex:'kda' --launch-skip 8 --launch-count 8 --section LaunchStats \
-        python3 experiments/profile_kda_gpu.py --size=8x2048x16x128 --calls=2 --variant=default
+    ncu --kernel-name regex:kda --launch-skip 7 --launch-count 7 --metrics launch__registers_per_thread,\
+gpu__time_duration.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum python3 experiments/profile_kda_gpu.py \
+        --size=8x2048x16x128 --calls=2 --variant=previous
 
 Each call runs the forward alone and then forward+backward, so skipping the first call's launches profiles a warm
-second call. `--variant` applies a variant of `bench_kda_gpu.py`.
+second call: 7 launches per call with "inline" operands (prepare and forward pass; then prepare, forward pass,
+reverse pass, the two gradient kernels), 10 with "stored" ones (the operand kernel before each pass group).
+`--variant` applies a variant of `bench_kda_gpu.py`. (On 2026-11-25 this ran under ncu with the "previous"
+kernels; with the stored operands, skipping 10, ncu ended in a segmentation fault, not investigated.)
 """
 
 from __future__ import annotations

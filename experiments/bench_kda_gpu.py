@@ -61,6 +61,10 @@ VARIANTS = {
     "grad_bv16": dict(grad_block_v=16),
     "grad_bv64": dict(grad_block_v=64),
     "grad_warps4": dict(grad_warps=4),
+    "grad_split2": dict(grad_v_splits=2),  # 2 programs per chunk, 64 value columns each
+    "grad_split4": dict(grad_v_splits=4),
+    "grad_split2_warps4": dict(grad_v_splits=2, grad_warps=4),
+    "grad_split4_warps4": dict(grad_v_splits=4, grad_warps=4),
     "grad_bv64_warps4": dict(grad_block_v=64, grad_warps=4),
     "pair_bk16": dict(pair_block_k=16),
     "pair_bk64": dict(pair_block_k=64),

@@ -146,6 +146,7 @@ class Config:
     reverse_warps: int = 4  # reverse pass
     pair_block_k: int = 128  # channels per program of the pair gradient kernel
     pass_stages: int = 2  # software-pipeline depth of the sequential passes (stored operands need 1: shared memory)
+    grad_v_splits: int = 1  # programs per chunk of the V gradient kernel, each over V / grad_v_splits columns
 
 
 def _masked_exp(mask, x):
@@ -973,28 +974,41 @@ def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dq
 
 
 def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do):
-    """`_grad_v_kernel`, grid (chunks, B*Hv): (dv, dq, dk, dG, dE, dbeta, dP, dM) with dq, dk, dG partial."""
+    """`_grad_v_kernel`, grid (S, chunks, B*Hv) with S = `Config.grad_v_splits` programs per chunk, each over V/S
+    value columns: (dv, dq, dk, dG, dE, dbeta, dP, dM) with dq, dk, dG partial. Every output but dv is linear in
+    the V contractions, so the S programs' shares are summed here."""
     B, Tp, _, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
-    C = cfg.chunk_size
+    C, S = cfg.chunk_size, cfg.grad_v_splits
+    if S < 1 or V % S or V // S < 16 or (V // S) & (V // S - 1):
+        raise ValueError(f"config.grad_v_splits must divide V = {V} into power-of-two blocks >= 16, got {S}")
+    VS = V // S
     sp = _chunk_specs(cfg, K, V)
-    per_channel = jax.ShapeDtypeStruct((B, Tp, Hv, K), F32)
-    square = jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)
+    lift = lambda spec: pl.BlockSpec(spec.block_shape, lambda sv, i, bh, f=spec.index_map: f(i, bh))
+    head = lambda i, bh: (bh // Hv, i, bh % Hv)
+    value = pl.BlockSpec((None, C, None, VS), lambda sv, i, bh: head(i, bh) + (sv,))
+    state = pl.BlockSpec((None, None, K, VS), lambda sv, i, bh: (bh // Hv, bh % Hv, i, sv))
+    share = lambda n: pl.BlockSpec((None, None, C, None, n), lambda sv, i, bh: (sv,) + head(i, bh) + (0,))
+    gate_share = pl.BlockSpec((None, None, C, None), lambda sv, i, bh: (sv,) + head(i, bh))
+    per_channel = jax.ShapeDtypeStruct((S, B, Tp, Hv, K), F32)
+    square = jax.ShapeDtypeStruct((S, B, Tp, Hv, C), F32)
     src = src if cfg.operands == "stored" else ()
-    return pl.pallas_call(
+    dv, dq, dk, dg, de, dbeta, dp, dm = pl.pallas_call(
         functools.partial(_grad_v_kernel, cfg=cfg),
-        grid=(Tp // C, B * Hv),
-        in_specs=(_source_specs(cfg, sp) if src else []) + [
-            sp["key"], sp["key"], sp["value"], sp["gate"], sp["channel"], sp["channel"], sp["seq"], sp["seq"],
-            sp["seq"], sp["square"], sp["square"], sp["square"], sp["state"], sp["state"], sp["value"]],
-        out_specs=[sp["value"], sp["channel"], sp["channel"], sp["channel"], sp["channel"], sp["gate"],
-                   sp["square"], sp["square"]],
+        grid=(S, Tp // C, B * Hv),
+        in_specs=[lift(x) for x in (_source_specs(cfg, sp) if src else [])] + [
+            lift(sp["key"]), lift(sp["key"]), value, lift(sp["gate"]), lift(sp["channel"]), lift(sp["channel"]),
+            lift(sp["seq"]), lift(sp["seq"]), lift(sp["seq"]), lift(sp["square"]), lift(sp["square"]),
+            lift(sp["square"]), state, state, value],
+        out_specs=[value, share(K), share(K), share(K), share(K), gate_share, share(C), share(C)],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), per_channel, per_channel, per_channel,
-                   per_channel, jax.ShapeDtypeStruct((B, Tp, Hv), F32), square, square],
+                   per_channel, jax.ShapeDtypeStruct((S, B, Tp, Hv), F32), square, square],
         compiler_params=_params(cfg.grad_warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_grads_v",
     )(*src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do)
+    total = lambda x: x[0] if S == 1 else jnp.sum(x, axis=0)
+    return (dv,) + tuple(total(x) for x in (dq, dk, dg, de, dbeta, dp, dm))
 
 
 def _grads_pairs(cfg, q, k, g, glo, beta, dp, dm, dq, dk, dg):
@@ -1090,7 +1104,10 @@ _kda_jit = jax.jit(_kda, static_argnums=0)  # eager callers compile once per con
 # ---------------------------------------------------------------------------------------------------------------
 
 BLOCK_V = 64  # the widest V block of the sequential passes (`common.sequential_block_v` narrows it)
-KDA_NARROWEST_BLOCK_V = 32
+# With operands formed in every step, V blocks narrower than 32 slowed the passes down (2026-11-23); with stored
+# operands 16 is faster where it buys programs: 1x32768x16x128 bf16 passes 4.64-4.71 -> 3.93-4.17 ms, forward +
+# backward 38.5-38.6 -> 37.5-37.6 ms; at 2x8192x16x128 17.87 -> 17.78 ms (H100, 2026-11-25).
+KDA_NARROWEST_BLOCK_V = 16
 GRAD_BLOCK_V = 32
 
 

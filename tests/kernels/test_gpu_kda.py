@@ -212,10 +212,11 @@ def test_other_chunk_sizes(chunk_size):
                                        dict(block_v=64), dict(forward="split"),
                                        dict(forward="split", block_v=16, output_block_v=32),
                                        dict(operands="inline"), dict(operands="inline", forward="split"),
-                                       dict(block_k=16, pair_block_k=64), dict(block_k=64, pair_block_k=16)],
+                                       dict(block_k=16, pair_block_k=64), dict(block_k=64, pair_block_k=16),
+                                       dict(grad_v_splits=2, grad_block_v=16), dict(grad_v_splits=4)],
                          ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks", "wide_v_blocks",
                               "split_forward", "split_forward_v_blocks", "inline_operands", "inline_split_forward",
-                              "channel_blocks_16_64", "channel_blocks_64_16"])
+                              "channel_blocks_16_64", "channel_blocks_64_16", "grad_v_splits_2", "grad_v_splits_4"])
 def test_config_variants_fp32(overrides):
     """`Config.inverse="blocks"` (16 x 16 substitutions + block merges, the 16-bit default), the 16 x 16 block
     prepare kernel, other V blocks, inline operands and channel blocks (K = 32: two blocks of 16) meet the fp32
@@ -235,6 +236,8 @@ def test_config_variants_fp32(overrides):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, operands="cached")), x)
     with pytest.raises(ValueError, match="block_k"):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, block_k=24)), x)
+    with pytest.raises(ValueError, match="grad_v_splits"):
+        _grads(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, grad_v_splits=8)), x)
 
 
 @pytest.mark.parametrize("family", ADVERSARIAL)
@@ -261,10 +264,10 @@ def test_split_forward_bf16_in_interpreter():
     _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label="split-forward-bf16")
 
 
-@pytest.mark.parametrize("batch,heads,V,expected", [(8, 16, 128, 64), (2, 16, 128, 32), (1, 16, 128, 32),
-                                                     (1, 1, 16, 16)])
+@pytest.mark.parametrize("batch,heads,V,expected", [(8, 16, 128, 64), (4, 16, 128, 32), (2, 16, 128, 16),
+                                                     (1, 16, 128, 16), (1, 1, 16, 16)])
 def test_sequential_block_v_buys_programs_for_few_heads(batch, heads, V, expected):
-    """BV 64, 32 below 132 programs (an H100's SMs), never narrower than 32 (or V)."""
+    """BV 64, halved while there are fewer than 132 programs (an H100's SMs), never narrower than 16 (or V)."""
     x = rule_inputs(fresh_key(), B=batch, T=1, H=heads, K=16, V=V)
     cfg = default_config(x["q"], x["v"], scale=1.0, chunk_size=64, segmented=False, interpret=True)
     assert cfg.block_v == expected
@@ -477,6 +480,7 @@ CONFIG_VARIANTS = {
     "inline": dict(operands="inline", pass_stages=2),
     "inline_split": dict(operands="inline", forward="split"),
     "channel_blocks": dict(block_k=16, pair_block_k=64, pair_warps=8, reverse_warps=8, grad_warps=4),
+    "grad_v_splits": dict(grad_v_splits=2),
     "whole_channels": dict(block_k=128, pair_block_k=128),
 }
 

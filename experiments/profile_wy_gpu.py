@@ -11,11 +11,10 @@ forward pass with states, reverse pass, the gradient kernels: 5 launches with "s
 from __future__ import annotations
 
 from absl import app, flags
-import jax
-import jax.numpy as jnp
 
 from deltajax.kernels.gpu import wy_chunk
 from bench_pallas_gpu import VARIANTS, inputs  # experiments/
+import _timing as timing  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("size", "8x2048x16x128", "BxTxHxD (K = V = D, Hv = H).")
@@ -31,12 +30,7 @@ def main(argv):
                                   interpret=False)
     cfg = wy_chunk.replace_config(cfg, **VARIANTS[FLAGS.variant])
     run = lambda *a: wy_chunk.chunk_wy(*a, scale=D ** -0.5, initial_state=None, segment_ids=None, config=cfg)
-    forward = jax.jit(lambda *a: run(*a)[0])
-    loss = lambda *a: jnp.sum(run(*a)[0].astype(jnp.float32))
-    both = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    for _ in range(FLAGS.calls):
-        jax.block_until_ready(forward(q, k, v, beta, log_decay))
-        jax.block_until_ready(both(q, k, v, beta, log_decay))
+    timing.run_for_profiler(run, (q, k, v, beta, log_decay), FLAGS.calls)
     print("done", FLAGS.size, FLAGS.variant, cfg)
 
 

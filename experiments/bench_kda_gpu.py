@@ -61,8 +61,6 @@ VARIANTS = {
     "grad_bv16": dict(grad_block_v=16),
     "grad_bv64": dict(grad_block_v=64),
     "grad_warps4": dict(grad_warps=4),
-    "operands_in_prepare": dict(operands_in_prepare=True),  # the forward's operands written by prepare
-    "operands_in_prepare_split": dict(operands_in_prepare=True, forward="split"),
     "grad_split2": dict(grad_v_splits=2),  # 2 programs per chunk, 64 value columns each
     "grad_split4": dict(grad_v_splits=4),
     "grad_split2_warps4": dict(grad_v_splits=2, grad_warps=4),
@@ -141,8 +139,7 @@ def variant_errors(name):
 
 
 def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
-    """ms of: cumsum glue, prepare (with R, and the forward's stored operands with `operands_in_prepare`), the
-    stored operands (0 when inline; the backward's with `operands_in_prepare`), forward pass, forward pass +
+    """ms of: cumsum glue, prepare (with R), the stored operands (0 when inline), forward pass, forward pass +
     states, reverse pass, the V and the pair gradient kernels."""
     it = FLAGS.iters
     doc = jnp.zeros((B, T), jnp.int32)
@@ -150,9 +147,8 @@ def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
     h0 = jnp.zeros((B, H, D, D), jnp.float32)
     cum = jax.jit(lambda g: kda._cumulative(cfg, g))
     g, glo = cum(log_decay)
-    prep = jax.jit(lambda q, k, g, glo, b: kda._prepare_and_source(cfg, q, k, g, glo, b, doc, ones, ones,
-                                                                   with_r=True))
-    (t, p, r), _ = prep(q, k, g, glo, beta)
+    prep = jax.jit(lambda q, k, g, glo, b: kda._prepare(cfg, q, k, g, glo, b, doc, with_r=True))
+    t, p, r = prep(q, k, g, glo, beta)
     log('prep' + ' ran')
     source = jax.jit(lambda q, k, g, glo: kda._source(cfg, q, k, g, glo, ones, ones))
     src = source(q, k, g, glo)

@@ -147,7 +147,6 @@ class Config:
     pair_block_k: int = 128  # channels per program of the pair gradient kernel
     pass_stages: int = 2  # software-pipeline depth of the sequential passes (stored operands need 1: shared memory)
     grad_v_splits: int = 1  # programs per chunk of the V gradient kernel, each over V / grad_v_splits columns
-    operands_in_prepare: bool = False  # the forward's stored operands written by prepare ("partner") instead
 
 
 def _masked_exp(mask, x):
@@ -457,38 +456,18 @@ def _prepare_blocks_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_re
                 ref[_blk(i), _blk(j)] = blocks[i, j] if j <= i else zeros
 
 
-def _prepare_partner_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, *refs, cfg: Config, with_r: bool,
-                            fused: bool):
-    """`Config.prepare="partner"`: P, T (and R) on whole C x C / C x K values; see the module docstring. When
-    `fused` (`Config.operands_in_prepare`) it also writes the stored operands of `_operands_kernel`, block by block
-    from the tiles it has loaded: the same operations, so the same values."""
-    if fused:
-        carry_ref, tail_ref, *refs = refs
-    t_ref, p_ref, *refs = refs
-    r_ref = [refs.pop(0)] if with_r else []
+def _prepare_partner_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_ref, p_ref, *r_ref, cfg: Config):
+    """`Config.prepare="partner"`: P, T (and R) on whole C x C / C x K values; see the module docstring."""
     C, K = cfg.chunk_size, q_ref.shape[-1]
     BK = min(cfg.block_k, K)
     geo = _geometry(C)
-
-    def operands(cols, q, k, g, glo):
-        *tiles, gamma_ref = refs
-        n = len(tiles) // 3
-        bound = _boundary(geo, g, glo, carry_ref[...], tail_ref[...])
-        for i, x in enumerate((bound.a * q, bound.a * k, bound.e * k)):
-            parts = _split_bf16(x) if n == 2 else (x,)
-            for ref, part in zip(tiles[i * n:(i + 1) * n], parts):
-                ref[:, cols] = part
-        gamma_ref[cols] = bound.gamma
 
     def channels(j, acc):
         """P and R are sums over channels: one block of BK channels at a time keeps 4 C x BK fp32 tiles live
         instead of 4 C x K (at K = 128 and 4 warps those alone are the 255 registers a thread may hold)."""
         cols = pl.ds(pl.multiple_of(j * BK, BK), BK)
         q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)
-        g, glo = g_ref[:, cols], glo_ref[:, cols]
-        if fused:
-            operands(cols, q, k, g, glo)
-        p, r = _pair_matrices(geo, ((q, k), (k, k)), g, glo, cfg.dots)
+        p, r = _pair_matrices(geo, ((q, k), (k, k)), g_ref[:, cols], glo_ref[:, cols], cfg.dots)
         # P_tt = q_t . k_t, decay exactly 1.
         p = p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
         return acc[0] + p, acc[1] + r
@@ -525,9 +504,8 @@ def _chunk_specs(cfg, K, V):
     )
 
 
-def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False, carry=None, tail=None):
-    """(T, P), and R (strictly lower, same document) for the backward when `with_r`; with `carry` and `tail`
-    (`Config.operands_in_prepare`) also the stored operands, as one more element: `_stored_operands`'s tuple."""
+def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
+    """(T, P), and R (strictly lower, same document) for the backward when `with_r`."""
     if cfg.inverse not in INVERSE_METHODS:
         raise ValueError(f"config.inverse must be one of {INVERSE_METHODS}, got {cfg.inverse!r}")
     if cfg.prepare not in PREPARE_METHODS:
@@ -545,42 +523,16 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False, carry=None, tail=Non
     sp = _chunk_specs(cfg, K, K)
     square = jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)
     n_out = 3 if with_r else 2
-    fused = carry is not None
-    if not fused:
-        return pl.pallas_call(
-            functools.partial(_prepare_partner_kernel, cfg=cfg, with_r=with_r, fused=False)
-            if cfg.prepare == "partner" else functools.partial(_prepare_blocks_kernel, cfg=cfg),
-            grid=(Tp // C, B * Hv),
-            in_specs=[sp["key"], sp["key"], sp["channel"], sp["channel"], sp["gate"], sp["seq"]],
-            out_specs=[sp["square"]] * n_out,
-            out_shape=[square] * n_out,
-            compiler_params=_params(cfg.prepare_warps, cfg.stages),
-            interpret=cfg.interpret,
-            name="kda_prepare",
-        )(q, k, g, glo, beta, doc)
-    if cfg.prepare != "partner" or cfg.operands != "stored":
-        raise ValueError("config.operands_in_prepare needs prepare='partner' and operands='stored'")
-    n = 2 if cfg.dots == "split" else 1
-    tile = jax.ShapeDtypeStruct((B, Tp, Hv, K), BF16 if n == 2 else F32)
-    outs = pl.pallas_call(
-        functools.partial(_prepare_partner_kernel, cfg=cfg, with_r=with_r, fused=True),
+    return pl.pallas_call(
+        functools.partial(_prepare_partner_kernel if cfg.prepare == "partner" else _prepare_blocks_kernel, cfg=cfg),
         grid=(Tp // C, B * Hv),
-        in_specs=[sp["key"], sp["key"], sp["channel"], sp["channel"], sp["gate"], sp["seq"], sp["seq"], sp["seq"]],
-        out_specs=[sp["square"]] * n_out + [sp["channel"]] * (3 * n) + [sp["gamma"]],
-        out_shape=[square] * n_out + [tile] * (3 * n) + [jax.ShapeDtypeStruct((B, Hv, (Tp // C) * K), F32)],
+        in_specs=[sp["key"], sp["key"], sp["channel"], sp["channel"], sp["gate"], sp["seq"]],
+        out_specs=[sp["square"]] * n_out,
+        out_shape=[square] * n_out,
         compiler_params=_params(cfg.prepare_warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_prepare",
-    )(q, k, g, glo, beta, doc, carry, tail)
-    return tuple(outs[:n_out]) + (tuple(outs[n_out:]),)
-
-
-def _prepare_and_source(cfg, q, k, g, glo, beta, doc, carry, tail, *, with_r):
-    """((T, P[, R]), the passes' operand source), the operands from prepare when `Config.operands_in_prepare`."""
-    if cfg.operands_in_prepare and cfg.operands == "stored":
-        *prepared, src = _prepare(cfg, q, k, g, glo, beta, doc, with_r=with_r, carry=carry, tail=tail)
-        return tuple(prepared), src
-    return _prepare(cfg, q, k, g, glo, beta, doc, with_r=with_r), _source(cfg, q, k, g, glo, carry, tail)
+    )(q, k, g, glo, beta, doc)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1103,14 +1055,16 @@ def _cumulative(cfg, log_decay):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     g, glo = _cumulative(cfg, log_decay)
-    (t, p), src = _prepare_and_source(cfg, q, k, g, glo, beta, doc, carry, tail, with_r=False)
+    t, p = _prepare(cfg, q, k, g, glo, beta, doc)
+    src = _source(cfg, q, k, g, glo, carry, tail)
     return tuple(_forward_pass(cfg, src, v, beta, t, p, h0, with_states=False))
 
 
 def _kda_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     # Residuals: the inputs, P, T and R (C x C per chunk) and the chunk start states (K x V fp32 per chunk).
     g, glo = _cumulative(cfg, log_decay)
-    (t, p, r), src = _prepare_and_source(cfg, q, k, g, glo, beta, doc, carry, tail, with_r=True)
+    t, p, r = _prepare(cfg, q, k, g, glo, beta, doc, with_r=True)
+    src = _source(cfg, q, k, g, glo, carry, tail)
     o, final, starts = _forward_pass(cfg, src, v, beta, t, p, h0, with_states=True)
     return (o, final), (q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts)
 

@@ -283,8 +283,13 @@ def test_bf16_split_products_in_interpreter():
 @pytest.mark.parametrize("forward", ["fused", "split"])
 def test_bf16_stored_operands_equal_inline_in_interpreter(forward):
     """Stored operands (bf16 pairs written by `_operands_kernel`) are the values the inline passes form in every
-    step, so both give the same outputs and gradients (to fp32 summation order); K = 64 runs two channel blocks of
-    32 in prepare, the operand kernel and the pair gradients."""
+    step, so both give the same outputs and gradients up to fp32 summation order; K = 64 runs two channel blocks of
+    32 in prepare, the operand kernel and the pair gradients.
+
+    fp32 results (state, dbeta, dlog_decay, dinitial_state) agree to 1e-5 (1.6e-6 at most over 20 draws). Results
+    returned in bf16 (o, dq, dk, dv) can differ where the fp32 values straddle a bf16 rounding boundary, one ulp
+    (2^-8 to 2^-7 of the element) for a few elements: up to 5.2e-5 relative over the same 20 draws, so 2e-4, ten
+    times below the ~2e-3 at which two independently accurate bf16 paths differ."""
     x = _round_trip_bf16(_inputs(T=130, B=1, K=64, V=32))
     x["scale"] = 64 ** -0.5
     cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
@@ -296,7 +301,8 @@ def test_bf16_stored_operands_equal_inline_in_interpreter(forward):
         results[operands] = (_call(fn, x), _grads(fn, x))
     (out_s, grads_s), (out_i, grads_i) = results["stored"], results["inline"]
     for a, b in zip(jax.tree.leaves((out_s, grads_s)), jax.tree.leaves((out_i, grads_i))):
-        assert relative_error(a.astype(jnp.float32), b.astype(jnp.float32)) <= 1e-5
+        bound = 1e-5 if a.dtype == jnp.float32 else 2e-4
+        assert relative_error(a.astype(jnp.float32), b.astype(jnp.float32)) <= bound, (a.dtype, a.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------------

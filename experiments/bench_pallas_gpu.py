@@ -30,10 +30,24 @@ flags.DEFINE_bool("grads_only", False, "Time only the gradient kernel(s) (`_grad
                   "other columns are left empty (nan).")
 flags.DEFINE_string("error_size", "2x1024x4x128", "BxTxHxD where each variant's error against the fp32 scan "
                     "(on the same bf16 inputs) is measured; empty to skip.")
+flags.DEFINE_bool("forward_only", False, "Time only the forward: its kernels and the whole call (other columns nan).")
 flags.DEFINE_bool("interpret", False, "Run in Pallas's interpreter (a smoke test of this script on CPU).")
 
 VARIANTS = {
     "default": {},
+    # The chunk-parallel kernels launched heads fastest instead of chunks fastest (`common.GRID_ORDERS`).
+    "heads_first": dict(grid_order="heads"),
+    "chunks_first": dict(grid_order="chunks"),
+    # Chunks of 128: half the sequential steps, each twice as long.
+    "c128": dict(chunk_size=128),
+    "c128_ps2": dict(chunk_size=128, pass_stages=2),
+    "c128_ps1": dict(chunk_size=128, pass_stages=1),
+    "c128_inv2": dict(chunk_size=128, inverse_warps=2),
+    "c128_inv4": dict(chunk_size=128, inverse_warps=4),
+    "c128_warps8": dict(chunk_size=128, warps=8),
+    "c128_batched": dict(chunk_size=128, inverse_method="batched16"),
+    "c128_ps2_batched": dict(chunk_size=128, pass_stages=2, inverse_method="batched16"),
+    "c128_ps1_batched": dict(chunk_size=128, pass_stages=1, inverse_method="batched16"),
     # Storage between kernels (wy_chunk.INVERSE_STORAGES, STATE_STORAGES): "storage_fp32" is the default before
     # 2026-11-24 (T and the saved states in fp32).
     "storage_fp32": dict(inverse_storage="fp32", state_storage="fp32"),
@@ -78,6 +92,16 @@ VARIANTS = {
     "split_pstages4": dict(output_method="split", pass_stages=4),
     "split_pstages3_pair": dict(output_method="split", pass_stages=3, pass_inverse_storage="split"),
     "split_pstages3_prefetch": dict(output_method="split", pass_stages=3, prefetch=True),
+    # The forward without residuals in pieces of the sequence (`wy_chunk._pieced_forward`): one launch per piece
+    # runs its state pass, the next piece's inverse and the last piece's output. "pieces1": one piece.
+    "pieces1": dict(output_method="split", pieces=1),
+    "pieces2": dict(output_method="split", pieces=2),
+    "pieces4": dict(output_method="split", pieces=4),
+    "pieces8": dict(output_method="split", pieces=8),
+    "pieces16": dict(output_method="split", pieces=16),
+    "pieces4_pstages2": dict(output_method="split", pieces=4, pass_stages=2),
+    "pieces8_pstages2": dict(output_method="split", pieces=8, pass_stages=2),
+    "pieces8_obv64": dict(output_method="split", pieces=8, output_block_v=64),
     "fused_pstages3": dict(output_method="fused", pass_stages=3),
     "fused": dict(output_method="fused"),
     # How the passes read T (fp32, or its bf16 pair "split"): forward pass / reverse pass.
@@ -232,32 +256,38 @@ def main(argv):
                         cfg, q, k, v, b, t, g, doc, ones, ones, h0, with_states=False))
                     fwd1 = jax.jit(lambda q, k, v, b, t, g: wy_chunk._forward_pass(
                         cfg, q, k, v, b, t, g, doc, ones, ones, h0, with_states=True))
-                    o, final, starts, *u = fwd1(q, k, v, beta, t, g)
-                    rev = jax.jit(lambda q, k, b, t, g, do, df: wy_chunk._reverse_pass(
-                        cfg, q, k, b, t, g, doc, ones, ones, do, df))
-                    _, t_reverse, t_grads = wy_chunk._inverses(cfg, k, beta, g, doc, for_grads=True)
-                    dh0, dends, *dx = rev(q, k, beta, t_reverse, g, o, final)
-                    grads = jax.jit(lambda *a: _grads(cfg, *a))
-                    gargs = (q, k, v, beta, t_grads, g, doc, ones, ones, starts, dends, o, *u, *dx)
-                    if FLAGS.grads_only:
-                        prepared[key] = gargs
-                        print(grads_row(size, name, cfg, gargs), flush=True)
-                        continue
-                    cells += [time_ms(inv, k, beta, g, iters=FLAGS.iters),
-                              time_ms(fwd0, q, k, v, beta, t, g, iters=FLAGS.iters),
-                              time_ms(fwd1, q, k, v, beta, t, g, iters=FLAGS.iters),
-                              time_ms(rev, q, k, beta, t_reverse, g, o, final, iters=FLAGS.iters),
-                              time_ms(grads, *gargs, iters=FLAGS.iters)]
-                    del t, t_reverse, t_grads, o, final, starts, dh0, dends, u, dx, gargs
+                    if FLAGS.forward_only:
+                        cells += [time_ms(inv, k, beta, g, iters=FLAGS.iters),
+                                  time_ms(fwd0, q, k, v, beta, t, g, iters=FLAGS.iters)] + [float("nan")] * 3
+                    else:
+                        o, final, starts, *u = fwd1(q, k, v, beta, t, g)
+                        rev = jax.jit(lambda q, k, b, t, g, do, df: wy_chunk._reverse_pass(
+                            cfg, q, k, b, t, g, doc, ones, ones, do, df))
+                        _, t_reverse, t_grads = wy_chunk._inverses(cfg, k, beta, g, doc, for_grads=True)
+                        dh0, dends, *dx = rev(q, k, beta, t_reverse, g, o, final)
+                        grads = jax.jit(lambda *a: _grads(cfg, *a))
+                        gargs = (q, k, v, beta, t_grads, g, doc, ones, ones, starts, dends, o, *u, *dx)
+                        if FLAGS.grads_only:
+                            prepared[key] = gargs
+                            print(grads_row(size, name, cfg, gargs), flush=True)
+                            continue
+                        cells += [time_ms(inv, k, beta, g, iters=FLAGS.iters),
+                                  time_ms(fwd0, q, k, v, beta, t, g, iters=FLAGS.iters),
+                                  time_ms(fwd1, q, k, v, beta, t, g, iters=FLAGS.iters),
+                                  time_ms(rev, q, k, beta, t_reverse, g, o, final, iters=FLAGS.iters),
+                                  time_ms(grads, *gargs, iters=FLAGS.iters)]
+                        del t, t_reverse, t_grads, o, final, starts, dh0, dends, u, dx, gargs
                 else:
                     cells += [float("nan")] * 5
                 run = lambda q, k, v, b, g: wy_chunk.chunk_wy(q, k, v, b, g, scale=D ** -0.5, initial_state=None,
-                                                                 segment_ids=None, interpret=cfg.interpret, config=cfg)
+                                                                 segment_ids=None, interpret=cfg.interpret, config=cfg,
+                                                                 chunk_size=cfg.chunk_size)
                 fwd = jax.jit(lambda *a: run(*a)[0])
                 loss = lambda *a: jnp.sum(run(*a)[0].astype(jnp.float32) ** 2)
                 bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
                 cells += [time_ms(fwd, q, k, v, beta, log_decay, iters=FLAGS.iters),
-                          time_ms(bwd, q, k, v, beta, log_decay, iters=FLAGS.iters)]
+                          float("nan") if FLAGS.forward_only else time_ms(bwd, q, k, v, beta, log_decay,
+                                                                          iters=FLAGS.iters)]
                 errors = variant_errors(cfg) if FLAGS.error_size else ""
                 print(f"| {size} | {name} | " + " | ".join(f"{c:.3f}" for c in cells) + f" | {errors} |", flush=True)
             except Exception as error:  # a variant that does not compile (registers, shared memory) is reported

@@ -25,7 +25,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/device.txt"
 python3 -c "import jax, deltajax; print(jax.__version__, jax.devices(), sorted(deltajax.rules.dispatch.implementations('delta_rule')))" | tee -a "$OUT/device.txt"
 if want sweep; then
-  timeout ${SWEEP_TIMEOUT:-200} python3 experiments/bench_pallas_gpu.py --sizes="$SWEEP_SIZES" --variants="$SWEEP_VARIANTS" 2>&1 \
+  timeout ${SWEEP_TIMEOUT:-200} python3 experiments/bench_pallas_gpu.py --sizes="$SWEEP_SIZES" --variants="$SWEEP_VARIANTS" ${SWEEP_EXTRA:-} 2>&1 \
     | grep --line-buffered -v Warning | tee "$OUT/sweep.log"
 fi
 if want precision; then

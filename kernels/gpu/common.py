@@ -6,8 +6,11 @@ exact (one term and zeros).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 F32 = jnp.float32
@@ -33,6 +36,32 @@ def sequential_block_v(batch_heads, value_dim, widest, narrowest=NARROWEST_BLOCK
     while block > narrowest and batch_heads * (value_dim // block) < MIN_SEQUENTIAL_PROGRAMS:
         block //= 2
     return block
+
+
+# Launch order of the chunk-parallel kernels' grids (..., chunks, batch x heads): Pallas's first grid axis is CUDA's
+# x, which the GPU schedules fastest. "chunks": consecutive programs walk the chunks of one head, so with few long
+# sequences the programs resident at one time read a few heads' rows spread over the whole sequence; "heads": they
+# read every head of a few neighbouring chunks. Same programs and values, another order.
+GRID_ORDERS = ("chunks", "heads")
+
+
+def chunk_parallel_call(kernel, *, grid, in_specs, out_specs, grid_order, **kwargs):
+    """`pl.pallas_call` of a chunk-parallel kernel whose grid (and every index map) is written as (..., chunks,
+    batch x heads); with `grid_order="heads"` the last two axes are launched swapped. Kernels may read
+    `pl.program_id` only of the leading axes."""
+    if grid_order not in GRID_ORDERS:
+        raise ValueError(f"grid_order must be one of {GRID_ORDERS}, got {grid_order!r}")
+    if grid_order == "heads":
+        grid = (*grid[:-2], grid[-1], grid[-2])
+
+        def swapped(spec):
+            index_map = spec.index_map
+            return dataclasses.replace(spec, index_map=lambda *ids: index_map(*ids[:-2], ids[-1], ids[-2]))
+
+        in_specs = [swapped(spec) for spec in in_specs]
+        out_specs = [swapped(spec) for spec in out_specs] if isinstance(out_specs, (list, tuple)) else swapped(
+            out_specs)
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, **kwargs)
 
 
 def compiler_params(warps, stages):

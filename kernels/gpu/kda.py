@@ -75,6 +75,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from deltajax.kernels.gpu.common import chunk_parallel_call as _chunk_parallel_call
 from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import last as _last
@@ -147,6 +148,7 @@ class Config:
     pair_block_k: int = 128  # channels per program of the pair gradient kernel
     pass_stages: int = 2  # software-pipeline depth of the sequential passes (stored operands need 1: shared memory)
     grad_v_splits: int = 1  # programs per chunk of the V gradient kernel, each over V / grad_v_splits columns
+    grid_order: str = "chunks"  # launch order of the chunk-parallel kernels (`common.GRID_ORDERS`)
 
 
 def _masked_exp(mask, x):
@@ -523,9 +525,10 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
     sp = _chunk_specs(cfg, K, K)
     square = jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)
     n_out = 3 if with_r else 2
-    return pl.pallas_call(
+    return _chunk_parallel_call(
         functools.partial(_prepare_partner_kernel if cfg.prepare == "partner" else _prepare_blocks_kernel, cfg=cfg),
         grid=(Tp // C, B * Hv),
+        grid_order=cfg.grid_order,
         in_specs=[sp["key"], sp["key"], sp["channel"], sp["channel"], sp["gate"], sp["seq"]],
         out_specs=[sp["square"]] * n_out,
         out_shape=[square] * n_out,
@@ -640,9 +643,10 @@ def _stored_operands(cfg, q, k, g, glo, carry, tail):
     gamma = pl.BlockSpec((None, None, BK), lambda kb, i, bh: (bh // Hv, bh % Hv, i * nk + kb))
     n = 2 if cfg.dots == "split" else 1
     tile = jax.ShapeDtypeStruct((B, Tp, Hv, K), BF16 if n == 2 else F32)
-    return tuple(pl.pallas_call(
+    return tuple(_chunk_parallel_call(
         functools.partial(_operands_kernel, cfg=cfg),
         grid=(nk, nt, B * Hv),
+        grid_order=cfg.grid_order,
         in_specs=[key, key, channel, channel, seq, seq],
         out_specs=[channel] * (3 * n) + [gamma],
         out_shape=[tile] * (3 * n) + [jax.ShapeDtypeStruct((B, Hv, nt * K), F32)],
@@ -759,9 +763,10 @@ def _split_forward(cfg, src, v, beta, t, p, h0):
     )(*src, v, beta, t, h0)
     OV = min(cfg.output_block_v, V)
     op = _output_specs(cfg, K, OV)
-    o = pl.pallas_call(
+    o = _chunk_parallel_call(
         functools.partial(_output_kernel, cfg=cfg),
         grid=(V // OV, nt, B * Hv),
+        grid_order=cfg.grid_order,
         in_specs=_source_specs(cfg, op) + [op["value"], op["gate"], op["square"], op["square"], op["state"]],
         out_specs=op["value"],
         out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype),
@@ -993,9 +998,10 @@ def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts,
     per_channel = jax.ShapeDtypeStruct((S, B, Tp, Hv, K), F32)
     square = jax.ShapeDtypeStruct((S, B, Tp, Hv, C), F32)
     src = src if cfg.operands == "stored" else ()
-    dv, dq, dk, dg, de, dbeta, dp, dm = pl.pallas_call(
+    dv, dq, dk, dg, de, dbeta, dp, dm = _chunk_parallel_call(
         functools.partial(_grad_v_kernel, cfg=cfg),
         grid=(S, Tp // C, B * Hv),
+        grid_order=cfg.grid_order,
         in_specs=[lift(x) for x in (_source_specs(cfg, sp) if src else [])] + [
             lift(sp["key"]), lift(sp["key"]), value, lift(sp["gate"]), lift(sp["channel"]), lift(sp["channel"]),
             lift(sp["seq"]), lift(sp["seq"]), lift(sp["seq"]), lift(sp["square"]), lift(sp["square"]),
@@ -1020,9 +1026,10 @@ def _grads_pairs(cfg, q, k, g, glo, beta, dp, dm, dq, dk, dg):
     channel = pl.BlockSpec((None, C, None, BK), lambda kb, i, bh: (bh // Hv, i, bh % Hv, kb))
     square = pl.BlockSpec((None, C, None, C), lambda kb, i, bh: (bh // Hv, i, bh % Hv, 0))
     gate = pl.BlockSpec((None, C, None), lambda kb, i, bh: (bh // Hv, i, bh % Hv))
-    return pl.pallas_call(
+    return _chunk_parallel_call(
         functools.partial(_grad_pair_kernel, cfg=cfg),
         grid=(K // BK, Tp // C, B * Hv),
+        grid_order=cfg.grid_order,
         in_specs=[key, key, channel, channel, gate, square, square, channel, channel, channel],
         out_specs=[channel] * 3,
         out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, K), F32)] * 3,

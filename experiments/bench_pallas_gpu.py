@@ -92,16 +92,6 @@ VARIANTS = {
     "split_pstages4": dict(output_method="split", pass_stages=4),
     "split_pstages3_pair": dict(output_method="split", pass_stages=3, pass_inverse_storage="split"),
     "split_pstages3_prefetch": dict(output_method="split", pass_stages=3, prefetch=True),
-    # The forward without residuals in pieces of the sequence (`wy_chunk._pieced_forward`): one launch per piece
-    # runs its state pass, the next piece's inverse and the last piece's output. "pieces1": one piece.
-    "pieces1": dict(output_method="split", pieces=1),
-    "pieces2": dict(output_method="split", pieces=2),
-    "pieces4": dict(output_method="split", pieces=4),
-    "pieces8": dict(output_method="split", pieces=8),
-    "pieces16": dict(output_method="split", pieces=16),
-    "pieces4_pstages2": dict(output_method="split", pieces=4, pass_stages=2),
-    "pieces8_pstages2": dict(output_method="split", pieces=8, pass_stages=2),
-    "pieces8_obv64": dict(output_method="split", pieces=8, output_block_v=64),
     "fused_pstages3": dict(output_method="fused", pass_stages=3),
     "fused": dict(output_method="fused"),
     # How the passes read T (fp32, or its bf16 pair "split"): forward pass / reverse pass.

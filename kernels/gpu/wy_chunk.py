@@ -89,6 +89,10 @@ STATE_STORAGES = ("fp32", "bf16")
 # dependent products per chunk instead of three), measured slower at every size on the H100 and was removed
 # (docs/kernels.md, "Eighth session").
 OUTPUT_METHODS = ("fused", "split")
+# The forward without residuals in pieces of the sequence, each piece's state pass beside the next piece's inverse
+# and the last piece's output (on side streams through `compute_on`, then as roles of one launch per piece),
+# measured slower than one piece at 1x32768x16x128 and 1x65536x16x128 on the H100 and was removed (docs/kernels.md,
+# "The forward in pieces"; the code is in the history at commit 0b6babe).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,18 +151,11 @@ class Config:
     # step, or "split": the pair written by the inverse kernel (the same three products, so the same values).
     pass_inverse_storage: str = "fp32"
     reverse_inverse_storage: str = "fp32"
+
     # Launch order of the chunk-parallel kernels (`common.GRID_ORDERS`): chunks or heads fastest.
     grid_order: str = "chunks"
-    # The forward that keeps no residuals (inference: `_wy`'s primal) in pieces of the sequence, at most this many
-    # (`sequence_pieces`, `_pieced_forward`): one launch per piece runs its state pass, the next piece's inverse and
-    # the last piece's output side by side. "split" only; the same outputs as one piece.
-    pieces: int = 1
 
     def __post_init__(self):
-        if self.pieces < 1:
-            raise ValueError(f"pieces must be >= 1, got {self.pieces}")
-        if self.pieces > 1 and self.output_method != "split":
-            raise ValueError(f"pieces > 1 needs output_method='split', got {self.output_method!r}")
         if self.grid_order not in GRID_ORDERS:
             raise ValueError(f"grid_order must be one of {GRID_ORDERS}, got {self.grid_order!r}")
         if self.inverse_storage not in INVERSE_STORAGES:
@@ -375,26 +372,23 @@ def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
             _store_inverse(t_refs, blocks[i], blocks[j], t[i, j] if j <= i else jnp.zeros((SUB, SUB), F32))
 
 
-def _inverse(cfg, k, beta, g, doc, *, pair=False, fp32=True, chunks=None):
-    """T (fp32) of every chunk and/or (`pair`) its bf16 pair (hi, lo); a tuple (fp32, pair) when both. `chunks`
-    (first, count): T of those chunks alone (a piece of the sequence, `_segmented_forward`)."""
+def _inverse(cfg, k, beta, g, doc, *, pair=False, fp32=True):
+    """T (fp32) of every chunk and/or (`pair`) its bf16 pair (hi, lo); a tuple (fp32, pair) when both."""
     B, Tp, H, K = k.shape
     Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
-    first, count = chunks or (0, Tp // C)
-    key = lambda t, bh: (bh // Hv, first + t, (bh % Hv) // G, 0)
+    key = lambda t, bh: (bh // Hv, t, (bh % Hv) // G, 0)
     head = lambda t, bh: (bh // Hv, t, bh % Hv, 0)
-    gate = lambda t, bh: (bh // Hv, first + t, bh % Hv)
-    seq = lambda t, bh: (bh // Hv, first + t)
-    Tt = count * C
+    gate = lambda t, bh: (bh // Hv, t, bh % Hv)
+    seq = lambda t, bh: (bh // Hv, t)
     out = _chunk_parallel_call(
         functools.partial(_inverse_kernel, cfg=cfg),
-        grid=(count, B * Hv),
+        grid=(Tp // C, B * Hv),
         grid_order=cfg.grid_order,
         in_specs=[pl.BlockSpec((None, C, None, K), key), pl.BlockSpec((None, C, None), gate),
                   pl.BlockSpec((2, None, C, None), lambda t, bh: (0,) + gate(t, bh)), pl.BlockSpec((None, C), seq)],
         out_specs=([inverse_spec(cfg, head)] if fp32 else []) + ([inverse_spec(cfg, head, pair=True)] if pair else []),
-        out_shape=([jax.ShapeDtypeStruct((B, Tt, Hv, C), F32)] if fp32 else [])
-        + ([jax.ShapeDtypeStruct((2, B, Tt, Hv, C), BF16)] if pair else []),
+        out_shape=([jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)] if fp32 else [])
+        + ([jax.ShapeDtypeStruct((2, B, Tp, Hv, C), BF16)] if pair else []),
         compiler_params=_params(cfg.inverse_warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_inverse",
@@ -407,34 +401,29 @@ def _inverse(cfg, k, beta, g, doc, *, pair=False, fp32=True, chunks=None):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _sequence_specs(cfg, Tp, K, BV, *, pair=False, piece_tokens=None):
+def _sequence_specs(cfg, Tp, K, BV, *, pair=False):
     """BlockSpecs of the sequential passes (grid (V/BV, B*Hv)): whole sequences of one head, V block j; `pair`: T
-    comes as its bf16 pair [2, B, Tp, Hv, C]. `piece_tokens`: the pass covers that many tokens (a piece of the
-    sequence, `_segmented_forward`), and T, u and the stacked states hold the piece alone."""
+    comes as its bf16 pair [2, B, Tp, Hv, C]."""
     Hv, G = cfg.value_heads, cfg.value_heads // cfg.key_heads
-    Tt = piece_tokens or Tp
-    key = pl.BlockSpec((None, Tp, None, K), lambda j, bh: (bh // Hv, 0, (bh % Hv) // G, 0))
     return dict(
-        key=key,
+        key=pl.BlockSpec((None, Tp, None, K), lambda j, bh: (bh // Hv, 0, (bh % Hv) // G, 0)),
         value=pl.BlockSpec((None, Tp, None, BV), lambda j, bh: (bh // Hv, 0, bh % Hv, j)),
-        value_out=pl.BlockSpec((None, Tt, None, BV), lambda j, bh: (bh // Hv, 0, bh % Hv, j)),  # u
         # T, or its bf16 pair (`pair`). Linear attention reads no T: k stands in for it (see `_inverses`).
-        inverse=(pl.BlockSpec((2, None, Tt, None, cfg.chunk_size), lambda j, bh: (0, bh // Hv, 0, bh % Hv, 0))
+        inverse=(pl.BlockSpec((2, None, Tp, None, cfg.chunk_size), lambda j, bh: (0, bh // Hv, 0, bh % Hv, 0))
                  if pair else
-                 pl.BlockSpec((None, Tt, None, cfg.chunk_size), lambda j, bh: (bh // Hv, 0, bh % Hv, 0))
-                 if cfg.delta else key),
+                 pl.BlockSpec((None, Tp, None, cfg.chunk_size), lambda j, bh: (bh // Hv, 0, bh % Hv, 0))
+                 if cfg.delta else pl.BlockSpec((None, Tp, None, K), lambda j, bh: (bh // Hv, 0, (bh % Hv) // G, 0))),
         gate=pl.BlockSpec((None, Tp, None), lambda j, bh: (bh // Hv, 0, bh % Hv)),
         gates=pl.BlockSpec((2, None, Tp, None), lambda j, bh: (0, bh // Hv, 0, bh % Hv)),  # G as (hi, lo)
         seq=pl.BlockSpec((None, Tp), lambda j, bh: (bh // Hv, 0)),
         state=pl.BlockSpec((None, None, K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
         # Every chunk's state (or state cotangent) of the head, stacked: [B, Hv, nt * K, V].
-        states=pl.BlockSpec((None, None, (Tt // cfg.chunk_size) * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
+        states=pl.BlockSpec((None, None, (Tp // cfg.chunk_size) * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
     )
 
 
-def _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k, scalars, s, t_rows=None):
-    """(3), (4) and (6) of one chunk: u (fp32) and the state block at the chunk's end, from s at its start. `rows`
-    of the inputs, `t_rows` of T (the same unless T holds a piece of the sequence)."""
+def _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k, scalars, s):
+    """(3), (4) and (6) of one chunk: u (fp32) and the state block at the chunk's end, from s at its start."""
     from_start, to_end, survive = scalars
     u = v_ref[rows, :].astype(F32)
     if cfg.delta:
@@ -442,7 +431,7 @@ def _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k, scalars, s, t_rows=
         # bf16 operands where the other products of the passes do not (docs/kernels.md, "Which products need
         # split").
         y = u - from_start[:, None] * _dot(k, s, mode=cfg.state_dots)
-        u = _inverse_dot(t_ref, rows if t_rows is None else t_rows, beta_ref[rows][:, None] * y, cfg)
+        u = _inverse_dot(t_ref, rows, beta_ref[rows][:, None] * y, cfg)
     return u, survive * s + _dot(k, to_end[:, None] * u, ta=True, mode=cfg.dots)
 
 
@@ -480,32 +469,28 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_
 
 
 def _state_kernel(k_ref, v_ref, beta_ref, t_ref, g_ref, carry_ref, tail_ref, h0_ref, final_ref, states_ref,
-                  *u_ref, cfg: Config, nt: int, first: int = 0):
+                  *u_ref, cfg: Config, nt: int):
     """`cfg.output_method` "split": the pass carries only the state, (3), (4) and (6); writes every chunk's start
     state and u (delta rule) for `_output_kernel`, which does (5) chunk-parallel. The dependency chain of a step is
     then K S_0, T (beta y) and K_end^T u alone, with nothing else for the program to issue between them. T is
-    read as fp32 or as its bf16 pair (`Config.pass_inverse_storage`). The pass covers chunks first, ...,
-    first + nt - 1 of the sequence; T and the outputs hold those chunks alone."""
+    read as fp32 or as its bf16 pair (`Config.pass_inverse_storage`)."""
     C = cfg.chunk_size
     K = k_ref.shape[-1]
 
     def chunk(i, s):
-        rows = pl.ds(pl.multiple_of((first + i) * C, C), C)
-        local = pl.ds(pl.multiple_of(i * C, C), C)
+        rows = pl.ds(pl.multiple_of(i * C, C), C)
         states_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = s.astype(states_ref.dtype)
         scalars = _chunk_scalars(_gates(g_ref, rows), carry_ref[rows], tail_ref[rows])
-        u, s_end = _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k_ref[rows, :], scalars, s, t_rows=local)
+        u, s_end = _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k_ref[rows, :], scalars, s)
         if u_ref:
-            u_ref[0][local, :] = u
+            u_ref[0][rows, :] = u
         return s_end
 
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
 
 
-def _output_kernel(q_ref, k_ref, u_ref, g_ref, doc_ref, carry_ref, s0_ref, *o_refs, cfg: Config):
-    """Eq. (5) for one chunk and V block, from the start state and u written by `_state_kernel`. o_refs: the
-    output, after the array it is written into when that is aliased (`_output_pass`)."""
-    o_ref = o_refs[-1]
+def _output_kernel(q_ref, k_ref, u_ref, g_ref, doc_ref, carry_ref, s0_ref, o_ref, *, cfg: Config):
+    """Eq. (5) for one chunk and V block, from the start state and u written by `_state_kernel`."""
     g = _gates(g_ref)
     from_start = carry_ref[...] * jnp.exp(g[0] + g[1])
     o = _output(cfg, q_ref[...], k_ref[...], g, doc_ref[...], from_start, s0_ref[...], u_ref[...].astype(F32))
@@ -561,29 +546,27 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
     )(q, k, v, beta, t, g, doc, carry, tail, h0)
 
 
-def _pass_layout(cfg, t, B, Tp, K, Hv, V, chunks=None):
+def _pass_layout(cfg, t, B, Tp, K, Hv, V):
     """BV, chunks, BlockSpecs (`_sequence_specs`, T as `t` is stored) and the first two outputs of the state pass
     and the reverse pass: one state block (final state, dL/d(initial state)) and every chunk's (start states,
-    end-state cotangents). `chunks` (first, count): the pass covers those chunks alone (a piece of the sequence),
-    and its outputs hold them alone."""
+    end-state cotangents)."""
     BV = min(cfg.block_v, V)
-    nt = chunks[1] if chunks else Tp // cfg.chunk_size
-    sp = _sequence_specs(cfg, Tp, K, BV, pair=t.ndim == 5, piece_tokens=nt * cfg.chunk_size)
+    nt = Tp // cfg.chunk_size
+    sp = _sequence_specs(cfg, Tp, K, BV, pair=t.ndim == 5)
     out_shape = [jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))]
     return BV, nt, sp, [sp["state"], sp["states"]], out_shape
 
 
-def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, chunks=None):
-    """The sequential pass of "split": (final state, every chunk's start state, u (delta rule only)), over the
-    chunks `chunks` (first, count) of the sequence when given (`_pass_layout`)."""
+def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0):
+    """The sequential pass of "split": (final state, every chunk's start state, u (delta rule only))."""
     B, Tp, H, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
-    BV, nt, sp, out_specs, out_shape = _pass_layout(cfg, t, B, Tp, K, Hv, V, chunks)
+    BV, nt, sp, out_specs, out_shape = _pass_layout(cfg, t, B, Tp, K, Hv, V)
     if cfg.delta:
-        out_specs.append(sp["value_out"])
-        out_shape.append(jax.ShapeDtypeStruct((B, nt * cfg.chunk_size, Hv, V), F32))
+        out_specs.append(sp["value"])
+        out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
     return pl.pallas_call(
-        functools.partial(_state_kernel, cfg=cfg, nt=nt, first=chunks[0] if chunks else 0),
+        functools.partial(_state_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
         in_specs=[sp["key"], sp["value"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], sp["seq"], sp["state"]],
         out_specs=out_specs,
@@ -594,229 +577,29 @@ def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, chunks=None):
     )(k, v, beta, t, g, carry, tail, h0)
 
 
-def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype, *, chunks=None, o=None):
-    """O of every chunk, chunk-parallel: grid (V/BV, chunks, B*Hv) with BV = `cfg.output_block_v`. `chunks`
-    (first, count): O of those chunks alone (a piece of the sequence, `_segmented_forward`), whose start states
-    `starts` holds, and u too unless it is the whole sequence's v (linear attention); written into `o` when given
-    (its other chunks keep their values), else into a new array."""
+def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype):
+    """O of every chunk, chunk-parallel: grid (V/BV, chunks, B*Hv) with BV = `cfg.output_block_v`."""
     B, Tp, H, K = q.shape
     Hv, V = u.shape[2], u.shape[3]
     C, G = cfg.chunk_size, Hv // H
     BV = min(cfg.output_block_v, V)
-    first, count = chunks or (0, Tp // C)
-    u_first = first if u.shape[1] == Tp else 0
-    key_spec = pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, first + i, (bh % Hv) // G, 0))
-    value_spec = lambda at: pl.BlockSpec((None, C, None, BV), lambda j, i, bh: (bh // Hv, at + i, bh % Hv, j))
-    extra = () if o is None else (o,)
+    key_spec = pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0))
+    value_spec = pl.BlockSpec((None, C, None, BV), lambda j, i, bh: (bh // Hv, i, bh % Hv, j))
     return _chunk_parallel_call(
         functools.partial(_output_kernel, cfg=cfg),
-        grid=(V // BV, count, B * Hv),
+        grid=(V // BV, Tp // C, B * Hv),
         grid_order=cfg.grid_order,
-        in_specs=[key_spec, key_spec, value_spec(u_first),
-                  pl.BlockSpec((2, None, C, None), lambda j, i, bh: (0, bh // Hv, first + i, bh % Hv)),
-                  pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, first + i)),
-                  pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, first + i)),
-                  pl.BlockSpec((None, None, K, BV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j))]
-        + [value_spec(first)] * len(extra),  # the aliased `o`: never read
-        out_specs=value_spec(first),
+        in_specs=[key_spec, key_spec, value_spec,
+                  pl.BlockSpec((2, None, C, None), lambda j, i, bh: (0, bh // Hv, i, bh % Hv)),
+                  pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
+                  pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
+                  pl.BlockSpec((None, None, K, BV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j))],
+        out_specs=value_spec,
         out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, V), out_dtype),
-        input_output_aliases={7: 0} if extra else {},
         compiler_params=_params(cfg.output_warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_output",
-    )(q, k, u, g, doc, carry, starts, *extra)
-
-
-def sequence_pieces(chunks, pieces):
-    """(first chunk, chunk count) of each of min(pieces, chunks) nearly equal pieces of a sequence of `chunks`."""
-    n = max(1, min(pieces, chunks))
-    sizes = [chunks // n + (i < chunks % n) for i in range(n)]
-    firsts = [sum(sizes[:i]) for i in range(n)]
-    return list(zip(firsts, sizes))
-
-
-class _Block:
-    """A block of a whole-array ref, indexed as the ref a BlockSpec gives a kernel. `window` has one entry per axis
-    of the array: an index (the axis is squeezed) or (start, size), an axis of the block. Reads and writes go to
-    the array with the block's indices offset by the starts, in one indexer (Triton lowers no chain of them)."""
-
-    def __init__(self, ref, *window):
-        self.ref, self.window, self.dtype = ref, window, ref.dtype
-        self.shape = tuple(w[1] for w in window if isinstance(w, tuple))
-
-    def _index(self, idx):
-        idx = () if idx is Ellipsis else idx if isinstance(idx, tuple) else (idx,)
-        idx = iter(idx + (slice(None),) * (len(self.shape) - len(idx)))
-        shift = lambda start, at: at if isinstance(start, int) and start == 0 else start + at
-        out = []
-        for w in self.window:
-            if not isinstance(w, tuple):
-                out.append(w)
-                continue
-            start, size = w
-            i = next(idx)
-            if isinstance(i, slice):
-                lo, hi = i.start or 0, size if i.stop is None else i.stop
-                out.append(pl.ds(shift(start, lo), hi - lo))
-            elif isinstance(i, pl.Slice):
-                out.append(pl.ds(shift(start, i.start), i.size))
-            else:
-                out.append(shift(start, i))
-        return tuple(out)
-
-    def __getitem__(self, idx):
-        return self.ref[self._index(idx)]
-
-    def __setitem__(self, idx, value):
-        self.ref[self._index(idx)] = value
-
-
-@dataclasses.dataclass(frozen=True)
-class _Launch:
-    """The programs of one launch of `_pieced_forward`, in this order: the state pass over chunks `passes` (first,
-    count) with T of those chunks and the start state given; the output of chunks `outputs` from their stored
-    start states and u; the inverse of chunks `inverses`. Each is None when the launch has none of it."""
-
-    passes: tuple | None
-    outputs: tuple | None
-    inverses: tuple | None
-    into: bool = False  # the output is written into a given array (an earlier piece's O)
-
-
-def _pieced_kernel(*refs, cfg: Config, launch: _Launch, dims: tuple):
-    """One launch of `_pieced_forward`: program ids [0, P) run `_state_kernel`, the next Q `_output_kernel`, the
-    last R `_inverse_kernel`, each on `_Block`s of the whole arrays cut as their BlockSpecs would cut them, with
-    the same grid order (the first axis fastest). Inputs: q, k, v, beta, G, doc, carry, tail, then the pass's T and
-    start state, the output's u, start states and the O it writes into; outputs: the pass's final state, start
-    states and u, O, the inverse's T (each only if the launch has that role)."""
-    B, Hv, G, K, V, C, BV, OBV = dims
-    q_ref, k_ref, v_ref, beta_ref, g_ref, doc_ref, carry_ref, tail_ref, *rest = refs
-    ins, outs = [], []
-    if launch.passes:
-        ins += ["t", "h0"]
-        outs += ["final", "states"] + (["u"] if cfg.delta else [])
-    if launch.outputs:
-        ins += ["u_in", "starts_in"] + (["o_in"] if launch.into else [])
-        outs += ["o"]
-    if launch.inverses:
-        outs += ["t_out"]
-    named = dict(zip(ins + outs, rest))
-    pid = pl.program_id(0)
-    n_pass = (V // BV) * B * Hv if launch.passes else 0
-    n_out = (V // OBV) * launch.outputs[1] * B * Hv if launch.outputs else 0
-    head = lambda bh: (bh // Hv, bh % Hv, (bh % Hv) // G)  # batch, value head, key head
-    Tp = k_ref.shape[1]
-
-    if launch.passes:
-        @pl.when(pid < n_pass)
-        def _():
-            first, count = launch.passes
-            j, (b, hv, hk) = pid % (V // BV), head(pid // (V // BV))
-            cols = (j * BV, BV)
-            t = named["t"]
-            t_block = (_Block(t, (0, 2), b, (0, count * C), hv, (0, C)) if t.ndim == 5
-                       else _Block(t, b, (0, count * C), hv, (0, C)) if cfg.delta else _Block(k_ref, b, (0, Tp), hk, (0, K)))
-            u = [_Block(named["u"], b, (0, count * C), hv, cols)] if cfg.delta else []
-            _state_kernel(_Block(k_ref, b, (0, Tp), hk, (0, K)), _Block(v_ref, b, (0, Tp), hv, cols),
-                          _Block(beta_ref, b, (0, Tp), hv), t_block, _Block(g_ref, (0, 2), b, (0, Tp), hv),
-                          _Block(carry_ref, b, (0, Tp)), _Block(tail_ref, b, (0, Tp)),
-                          _Block(named["h0"], b, hv, (0, K), cols), _Block(named["final"], b, hv, (0, K), cols),
-                          _Block(named["states"], b, hv, (0, count * K), cols), *u, cfg=cfg, nt=count, first=first)
-
-    if launch.outputs:
-        @pl.when((pid >= n_pass) & (pid < n_pass + n_out))
-        def _():
-            first, count = launch.outputs
-            p = pid - n_pass
-            j, i, (b, hv, hk) = p % (V // OBV), (p // (V // OBV)) % count, head(p // (V // OBV * count))
-            rows, cols = ((first + i) * C, C), (j * OBV, OBV)
-            u = named["u_in"]
-            u_rows = (i * C, C) if u.shape[1] != Tp else rows  # linear attention: u is v
-            _output_kernel(_Block(q_ref, b, rows, hk, (0, K)), _Block(k_ref, b, rows, hk, (0, K)),
-                           _Block(u, b, u_rows, hv, cols), _Block(g_ref, (0, 2), b, rows, hv),
-                           _Block(doc_ref, b, rows), _Block(carry_ref, b, rows),
-                           _Block(named["starts_in"], b, hv, (i * K, K), cols), _Block(named["o"], b, rows, hv, cols),
-                           cfg=cfg)
-
-    if launch.inverses:
-        @pl.when(pid >= n_pass + n_out)
-        def _():
-            first, count = launch.inverses
-            p = pid - n_pass - n_out
-            i, (b, hv, hk) = p % count, head(p // count)
-            rows = ((first + i) * C, C)
-            t = named["t_out"]
-            t_block = (_Block(t, (0, 2), b, (i * C, C), hv, (0, C)) if t.ndim == 5
-                       else _Block(t, b, (i * C, C), hv, (0, C)))
-            _inverse_kernel(_Block(k_ref, b, rows, hk, (0, K)), _Block(beta_ref, b, rows, hv),
-                            _Block(g_ref, (0, 2), b, rows, hv), _Block(doc_ref, b, rows), t_block, cfg=cfg)
-
-
-def _pieced_forward(cfg, q, k, v, beta, g, doc, carry, tail, h0):
-    """(o, final state) of "split" in `cfg.pieces` pieces of the sequence (`sequence_pieces`), for a forward that
-    keeps no residuals.
-
-    Piece n's state pass starts from the final state of piece n-1's: the fp32 state the one-piece pass carries
-    from chunk to chunk, so every output is the same. What makes it faster is what runs beside that pass: piece
-    n+1's inverse and piece n-1's output depend on nothing it computes, so one launch runs all three
-    (`_pieced_kernel`): the pass's programs first, then the others. With one pass program per SM (few long
-    sequences) the pass leaves most of each SM idle, bound by the latency of its chain of products, while the
-    inverse and output programs are bound by memory traffic; side by side, only the first piece's inverse and the
-    last piece's output are left outside the passes' time. Every dependency is on an earlier launch, so no program
-    waits for another.
-    """
-    B, Tp, H, K = q.shape
-    Hv, V = v.shape[2], v.shape[3]
-    C = cfg.chunk_size
-    BV, OBV = min(cfg.block_v, V), min(cfg.output_block_v, V)
-    dims = (B, Hv, Hv // H, K, V, C, BV, OBV)
-    pieces = sequence_pieces(Tp // C, cfg.pieces)
-    storage = "pair" if cfg.pass_inverse_storage == "split" else "fp32"
-    state_dtype = _state_dtype(cfg)
-
-    def launch(passes, outputs, inverses, *args, into=False):
-        spec = _Launch(passes, outputs, inverses, into)
-        out_shape, grid = [], 0
-        if passes:
-            out_shape += [jax.ShapeDtypeStruct((B, Hv, K, V), F32),
-                          jax.ShapeDtypeStruct((B, Hv, passes[1] * K, V), state_dtype)]
-            if cfg.delta:
-                out_shape.append(jax.ShapeDtypeStruct((B, passes[1] * C, Hv, V), F32))
-            grid += (V // BV) * B * Hv
-        if outputs:
-            out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype))
-            grid += (V // OBV) * outputs[1] * B * Hv
-        if inverses:
-            rows = inverses[1] * C
-            out_shape.append(jax.ShapeDtypeStruct((2, B, rows, Hv, C), BF16) if storage == "pair"
-                             else jax.ShapeDtypeStruct((B, rows, Hv, C), F32))
-            grid += inverses[1] * B * Hv
-        # O is written into the array given last (its other chunks keep their values); the first output launch
-        # makes it.
-        o_out = (2 + cfg.delta) if passes else 0
-        return pl.pallas_call(
-            functools.partial(_pieced_kernel, cfg=cfg, launch=spec, dims=dims),
-            grid=(grid,),
-            out_shape=out_shape,
-            input_output_aliases={8 + len(args) - 1: o_out} if into else {},
-            compiler_params=_params(cfg.warps, _pass_stages(cfg)),
-            interpret=cfg.interpret,
-            name="wy_pieces",
-        )(q, k, v, beta, g, doc, carry, tail, *args)
-
-    t = _inverses(cfg, k, beta, g, doc, chunks=pieces[0])  # linear attention: k, never read as T
-    o, state, done = None, h0, None  # done: the last piece's (chunks, start states, u), its output still to come
-    for n, chunks in enumerate(pieces):
-        nxt = pieces[n + 1] if n + 1 < len(pieces) and cfg.delta else None
-        args = [t, state] + ([done[2], done[1]] if done else []) + ([o] if o is not None else [])
-        state, starts, *rest = launch(chunks, done[0] if done else None, nxt, *args, into=o is not None)
-        u = rest.pop(0) if cfg.delta else v
-        if done:
-            o = rest.pop(0)
-        t = rest.pop(0) if nxt else t
-        done = (chunks, starts, u)
-    o = _output_pass(cfg, q, k, done[2], g, doc, carry, done[1], v.dtype, chunks=done[0], o=o)
-    return o, state
+    )(q, k, u, g, doc, carry, starts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1348,11 +1131,10 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _inverses(cfg, k, beta, g, doc, *, for_grads=False, chunks=None):
+def _inverses(cfg, k, beta, g, doc, *, for_grads=False):
     """T as each kernel reads it: the forward pass's, and with `for_grads` (forward pass, reverse pass, gradient
     kernels). Each is fp32 T or its bf16 pair (`Config.pass_inverse_storage`, `reverse_inverse_storage`,
-    `inverse_storage`), or None for gradients that read u and dx; the inverse kernel writes only what is read.
-    `chunks`: of those chunks alone (`_inverse`)."""
+    `inverse_storage`), or None for gradients that read u and dx; the inverse kernel writes only what is read."""
     if not cfg.delta:
         return (k, k, k) if for_grads else k  # linear attention never reads T (cfg.delta gates every use)
     storage = lambda split: "pair" if split else "fp32"
@@ -1360,7 +1142,7 @@ def _inverses(cfg, k, beta, g, doc, *, for_grads=False, chunks=None):
     if for_grads:
         wanted.append(storage(cfg.reverse_inverse_storage == "split"))
         wanted.append(None if _saves_u_dx(cfg) else storage(cfg.inverse_storage == "split"))
-    written = _inverse(cfg, k, beta, g, doc, pair="pair" in wanted, fp32="fp32" in wanted, chunks=chunks)
+    written = _inverse(cfg, k, beta, g, doc, pair="pair" in wanted, fp32="fp32" in wanted)
     if not isinstance(written, tuple):
         written = (written,)
     by_storage = dict(zip([name for name in ("fp32", "pair") if name in wanted], written))
@@ -1388,8 +1170,6 @@ def _gate_input(cfg, log_decay):
 def _wy(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     """Differentiable in log_decay itself (not in G): the gate gradient comes out per token, see `_grad_kernel`."""
     g = _gate_input(cfg, log_decay)
-    if cfg.pieces > 1:
-        return _pieced_forward(cfg, q, k, v, beta, g, doc, carry, tail, h0)
     t = _inverses(cfg, k, beta, g, doc)
     return _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=False)
 
@@ -1472,20 +1252,6 @@ DEEP_PASS_STAGES = 3  # 2x8192x16x128 (256 programs): 2.759 -> 3.053 ms forward+
 DEEP_PASS_STAGES_MAX_K = 128
 
 
-# The forward without residuals in pieces (`Config.pieces`, `_pieced_forward`) where the pass has at most one
-# program per SM (there is room beside it), with at least PIECE_MIN_CHUNKS chunks per piece and at most MAX_PIECES
-# pieces (each launch adds a pipeline fill of the pass and a kernel launch).
-PIECE_MIN_CHUNKS = 64
-MAX_PIECES = 8
-
-
-def default_pieces(batch_heads, value_dim, chunks):
-    block_v = sequential_block_v(batch_heads, value_dim, BLOCK_V)
-    if batch_heads * (value_dim // block_v) > MIN_SEQUENTIAL_PROGRAMS:
-        return 1
-    return max(1, min(MAX_PIECES, chunks // PIECE_MIN_CHUNKS))
-
-
 def sequential_layout(batch_heads, key_dim, value_dim):
     """(block_v, output_method, pass_stages) of the sequential passes for B*Hv pairs, K and V (measurements in
     docs/kernels.md, "Sixth session"). "split" once the fused forward pass fits in one wave (at most two programs
@@ -1529,8 +1295,6 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
         interpret=interpret, inverse_storage=INVERSE_STORAGE if inverse_dots == "split" else "fp32",
         state_storage=STATE_STORAGE if rounded_states else "fp32", grads_from_passes=GRADS_FROM_PASSES[grad_method],
         output_method=output_method, pass_stages=pass_stages,
-        pieces=default_pieces(q.shape[0] * v.shape[2], V, -(-q.shape[1] // chunk_size)) if output_method == "split"
-        else 1,
         # The passes read T's bf16 pair where T's products are "split" and (measured, "Sixth session") it was
         # faster: the state pass of "split" always, the reverse pass with one program per SM.
         pass_inverse_storage="split" if output_method == "split" and inverse_dots == "split" else "fp32",

@@ -65,10 +65,8 @@ LOWERED_GRAD_VARIANTS = {
     "fused_split_output": dict(grad_method="fused", grad_block_v=32, grad_block_k=256, output_method="split",
                                output_block_v=64),
 }
-# Both output methods, each forced (the default picks one by shape), and "split" with the forward in three pieces
-# (`Config.pieces`; the gradients' forward keeps one piece).
+# Both output methods, each forced (the default picks one by shape).
 OUTPUT_VARIANTS = {method: dict(output_method=method) for method in wy_chunk.OUTPUT_METHODS}
-OUTPUT_VARIANTS["split_pieces3"] = dict(output_method="split", pieces=3)
 
 
 def _call(fn, x, op, **kwargs):
@@ -369,99 +367,6 @@ def test_output_method_and_pass_stages_follow_the_programs(batch, heads, dtype, 
     q, v = x["q"].astype(dtype), x["v"].astype(dtype)
     cfg = default_config(q, v, scale=1.0, chunk_size=64, delta=True, segmented=False, interpret=True)
     assert (cfg.output_method, cfg.pass_stages, cfg.pass_inverse_storage, cfg.reverse_inverse_storage) == expected
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The forward in pieces of the sequence (`Config.pieces`, `wy_chunk._pieced_forward`)
-# ---------------------------------------------------------------------------------------------------------------
-
-PIECES_CASES = [  # op, T, dtype, packed, initial state, pieces
-    ("delta_rule", 1000, "float32", True, True, 4),  # 16 chunks: 4 x 4
-    ("delta_rule", 1000, "bfloat16", True, True, 3),  # uneven: 6, 5, 5 chunks
-    ("delta_rule", 65, "float32", False, True, 8),  # 2 chunks: two pieces of one
-    ("delta_rule", 300, "float32", True, False, 2),
-    ("linear_attention", 640, "bfloat16", False, False, 4),
-]
-
-
-def _pallas_calls(fn, x, op):
-    return str(jax.make_jaxpr(lambda x: _call_eager(fn, x, op))(x)).count("pallas_call")
-
-
-@pytest.mark.parametrize("op,T,dtype,packed,init,pieces", PIECES_CASES)
-def test_pieces_give_the_one_piece_outputs(op, T, dtype, packed, init, pieces):
-    """Piece n's pass starts from piece n-1's final state, the fp32 state the one-piece pass carries from chunk to
-    chunk: the same outputs and final state bit for bit in the interpreter, and within the fp32 bounds of the scan.
-    The kernel count shows the pieces ran: the first inverse, one launch per piece, the last output (the delta rule;
-    linear attention has no inverse), against the one piece's inverse, pass and output."""
-    x = rule_inputs(fresh_key(), B=2, T=T, H=2, Hv=4, K=32, V=32, beta_max=2.0, packed=packed,
-                    with_initial_state=init)
-    x = dict(x, **{n: x[n].astype(dtype) for n in ("q", "k", "v")})
-    one, many = _kernel(dict(output_method="split", pieces=1)), _kernel(dict(output_method="split", pieces=pieces))
-    n = len(wy_chunk.sequence_pieces(-(-T // 64), pieces))
-    delta = op == "delta_rule"
-    assert _pallas_calls(one, x, op) == 2 + delta and _pallas_calls(many, x, op) == n + 1 + delta
-    (o_one, s_one), (o_many, s_many) = _call(one, x, op), _call(many, x, op)
-    np.testing.assert_array_equal(np.asarray(o_many.astype(jnp.float32)), np.asarray(o_one.astype(jnp.float32)))
-    np.testing.assert_array_equal(np.asarray(s_many), np.asarray(s_one))
-    if dtype == "float32":
-        o_ref, s_ref = _call(recurrent_scan, x, op)
-        assert relative_error(o_many, o_ref) <= FP32_OUT_TOL and relative_error(s_many, s_ref) <= FP32_OUT_TOL
-
-
-@pytest.mark.parametrize("chunks,pieces", [(512, 8), (16, 3), (2, 8), (1, 4), (17, 16), (100, 1)])
-def test_sequence_pieces_cover_the_sequence_in_nearly_equal_pieces(chunks, pieces):
-    got = wy_chunk.sequence_pieces(chunks, pieces)
-    assert len(got) == min(chunks, pieces)
-    assert [first for first, _ in got] == [sum(n for _, n in got[:i]) for i in range(len(got))]
-    assert sum(n for _, n in got) == chunks and max(n for _, n in got) - min(n for _, n in got) <= 1
-
-
-def test_pieces_need_the_split_output():
-    x = rule_inputs(fresh_key(), B=1, T=8, H=1, K=16, V=16)
-    cfg = default_config(x["q"], x["v"], scale=1.0, chunk_size=64, delta=True, segmented=False, interpret=True)
-    with pytest.raises(ValueError, match="pieces must be >= 1"):
-        wy_chunk.replace_config(cfg, output_method="split", pieces=0)
-    with pytest.raises(ValueError, match="pieces > 1 needs output_method='split'"):
-        wy_chunk.replace_config(cfg, output_method="fused", pieces=2)
-
-
-@pytest.mark.parametrize("batch,T,expected", [
-    (1, 32768, 8),  # 128 pass programs, 512 chunks: eight pieces of 64
-    (1, 65536, 8),  # at most eight
-    (1, 8192, 2),  # 128 chunks: pieces of at least 64
-    (1, 4096, 1),
-    (2, 32768, 1),  # 256 pass programs: two per SM, no room beside them
-    (8, 2048, 1),
-])
-def test_default_pieces_where_the_pass_leaves_room(batch, T, expected):
-    q = jax.ShapeDtypeStruct((batch, T, 16, 128), jnp.bfloat16)
-    cfg = default_config(q, q, scale=1.0, chunk_size=64, delta=True, segmented=False, interpret=False)
-    assert cfg.pieces == expected
-
-
-def test_pieces_lower_for_cuda_at_every_head_size():
-    """The launches of the pieces (every role in one kernel, `_pieced_kernel`) at every head size and dtype, each
-    op, packed or not: the first inverse, one launch per piece and the last output."""
-    B, T, H, Hv = 1, 700, 2, 4  # 11 chunks in 3 pieces
-    gate = jax.ShapeDtypeStruct((B, T, Hv), jnp.float32)
-    ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
-    for K, V, dtype, op, segmented in itertools.product(pallas_gpu.HEAD_DIMS, pallas_gpu.HEAD_DIMS,
-                                                         pallas_gpu.LOWERED_DTYPES, dispatch.OPS, (False, True)):
-        if K != V and dtype != "bfloat16":
-            continue
-        q = jax.ShapeDtypeStruct((B, T, H, K), jnp.dtype(dtype))
-        v = jax.ShapeDtypeStruct((B, T, Hv, V), jnp.dtype(dtype))
-        h0 = jax.ShapeDtypeStruct((B, Hv, K, V), jnp.float32)
-        delta = op == "delta_rule"
-        cfg = default_config(q, v, scale=0.1, chunk_size=64, delta=delta, segmented=segmented, interpret=False)
-        cfg = wy_chunk.replace_config(cfg, output_method="split", pieces=3)
-        fn = jax.jit(lambda q, k, v, b, g, h0, ids: chunk_wy(q, k, v, b if delta else None, g, scale=0.1,
-                                                              initial_state=h0, segment_ids=ids if segmented else None,
-                                                              config=cfg))
-        with jax.sharding.use_abstract_mesh(H100):
-            text = fn.trace(q, q, v, gate, gate, h0, ids).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 3 + 1 + delta, (K, V, dtype, op, segmented)
 
 
 def test_supports_fails_closed():

@@ -27,8 +27,9 @@ exp(-G_s) within five tokens):
   * t and s in one sub-chunk: the exact exponent, masked before exp. A loop over the 16 offsets r pairs every
     token with the token at offset r of its own sub-chunk (its "partner") and fills one column per sub-chunk.
 
-G is a compensated cumsum (hi + lo, `deltajax.rules.chunk.CumulativeLogDecay`): differences subtract the large
-parts first, so pairs that decay by ~1 after a -20 gate keep full fp32 accuracy.
+G is a compensated cumsum (hi + lo, as `deltajax.rules.chunk.CumulativeLogDecay`; formed by `_cumulative_kernel`
+with an exact TwoSum per row): differences subtract the large parts first, so pairs that decay by ~1 after a -20
+gate keep full fp32 accuracy.
 
 Kernels (grids of at most 3 axes, every program independent; value head hv reads key head hv // (Hv // H) through
 the index maps, never a repeated copy):
@@ -54,8 +55,7 @@ the index maps, never a repeated copy):
   output is per channel, so channel blocks are independent programs (dbeta's share through R, which needs all
   channels, is summed in the V kernel from R saved by prepare).
 
-In XLA around them: padding (T to a multiple of C, K and V to powers of two >= 16), the compensated cumsum, the
-document flags, the sum of dq/dk over each key head's value heads and the cumsums that turn dG into
+In XLA around them: padding (T to a multiple of C, K and V to powers of two >= 16), the document flags, the sum of dq/dk over each key head's value heads and the cumsums that turn dG into
 d(log_decay) (reverse for G, exclusive forward for E, whose gates are those after s).
 
 Precision (`Config.dots`, products with an fp32 operand): "highest" (IEEE fp32; fp32 inputs) or "split" (16-bit
@@ -114,9 +114,13 @@ FORWARD_METHODS = ("fused", "split")
 # each for 16-bit inputs, fp32 otherwise), so the step only loads dot operands. The same values either way: the
 # products are unchanged. On the H100 every KDA kernel sat at 255 registers and spilled (docs/kernels.md).
 OPERAND_METHODS = ("inline", "stored")
+# Where the compensated in-chunk cumsum G = hi + lo of the log-decay is formed. "xla": `CumulativeLogDecay.of`
+# (0.74-0.92 ms at 8x2048x16x128 bf16 on the H100, 2026-11-25, for 134 MB in and 268 MB out); "kernel":
+# `_cumulative_kernel`, one pass over the rows of each chunk with an exact TwoSum per addition.
+CUMSUM_METHODS = ("xla", "kernel")
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
 
-__all__ = ["CHUNK_SIZES", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM", "OPERAND_METHODS",
+__all__ = ["CHUNK_SIZES", "CUMSUM_METHODS", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM", "OPERAND_METHODS",
            "PREPARE_METHODS", "Config", "default_config", "kda_chunk"]
 
 
@@ -149,6 +153,7 @@ class Config:
     pass_stages: int = 2  # software-pipeline depth of the sequential passes (stored operands need 1: shared memory)
     grad_v_splits: int = 1  # programs per chunk of the V gradient kernel, each over V / grad_v_splits columns
     grid_order: str = "chunks"  # launch order of the chunk-parallel kernels (`common.GRID_ORDERS`)
+    cumsum: str = "xla"  # CUMSUM_METHODS
 
 
 def _masked_exp(mask, x):
@@ -1051,12 +1056,50 @@ def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, d
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _cumulative_kernel(x_ref, hi_ref, lo_ref):
+    """G_t = sum_{r <= t} x_r down the C rows of one chunk, as hi + lo: hi the fp32 running sum, lo the running sum
+    of each addition's exact rounding error (TwoSum: s = hi + x, b = s - hi, error (hi - (s - b)) + (x - b)).
+
+    Invariant: after row r, hi + lo = G_r up to lo's own roundings, which are ~2^-24 of lo (itself ~2^-24 of
+    hi): the split `CumulativeLogDecay` is made for (differences G_t - G_s taken part by part stay exact to fp32
+    after a -20 gate). Rows are loaded one at a time (Triton slices no values); each is independent of the
+    running sums, so the loop's loads are pipelined."""
+    zero = jnp.zeros((1, x_ref.shape[1]), F32)
+
+    def row(r, sums):
+        hi, lo = sums
+        x = x_ref[pl.ds(r, 1), :]
+        total = hi + x
+        b = total - hi
+        lo = lo + ((hi - (total - b)) + (x - b))
+        hi_ref[pl.ds(r, 1), :] = total
+        lo_ref[pl.ds(r, 1), :] = lo
+        return total, lo
+
+    lax.fori_loop(0, x_ref.shape[0], row, (zero, zero))
+
+
 def _cumulative(cfg, log_decay):
-    """Compensated in-chunk cumsum (hi, lo) of log_decay [B, Tp, Hv, K]."""
+    """Compensated in-chunk cumsum (hi, lo) of log_decay [B, Tp, Hv, K] (`Config.cumsum`)."""
     B, Tp, Hv, K = log_decay.shape
     C = cfg.chunk_size
-    g = CumulativeLogDecay.of(log_decay.reshape(B, Tp // C, C, Hv, K), axis=2)
-    return g.hi.reshape(B, Tp, Hv, K), g.lo.reshape(B, Tp, Hv, K)
+    if cfg.cumsum == "xla":
+        g = CumulativeLogDecay.of(log_decay.reshape(B, Tp // C, C, Hv, K), axis=2)
+        return g.hi.reshape(B, Tp, Hv, K), g.lo.reshape(B, Tp, Hv, K)
+    if cfg.cumsum != "kernel":
+        raise ValueError(f"config.cumsum must be one of {CUMSUM_METHODS}, got {cfg.cumsum!r}")
+    channel = _chunk_specs(cfg, K, K)["channel"]
+    return tuple(_chunk_parallel_call(
+        _cumulative_kernel,
+        grid=(Tp // C, B * Hv),
+        grid_order=cfg.grid_order,
+        in_specs=[channel],
+        out_specs=[channel, channel],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, K), F32)] * 2,
+        compiler_params=_params(1, 3),
+        interpret=cfg.interpret,
+        name="kda_cumsum",
+    )(log_decay.astype(F32)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -1124,7 +1167,8 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
     Register pressure sets the rest (H100, 8x2048x16x128 bf16, 2026-11-25, docs/kernels.md): stored operands
     (passes 3.6 -> 0.9 ms forward, 4.1 -> 1.1 ms reverse; one pipeline stage, two asked for more shared memory
     than there is), 32 channels per step of prepare (4.5 -> 2.9 ms) and per program of the pair gradients, 8 warps
-    for the V gradient kernel."""
+    for the V gradient kernel. The compensated cumsum of the gates is a kernel (`_cumulative_kernel`): the XLA form
+    took 0.74-0.92 ms for a memory floor near 0.16 ms."""
     V = _pow2_at_least_16(v.shape[3])
     fp32 = jnp.dtype(q.dtype) == jnp.float32
     return Config(scale=float(scale), chunk_size=int(chunk_size), key_heads=q.shape[2], value_heads=v.shape[2],
@@ -1133,7 +1177,7 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   block_v=sequential_block_v(q.shape[0] * v.shape[2], V, BLOCK_V, KDA_NARROWEST_BLOCK_V),
                   grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=4,
                   grad_warps=8, pair_warps=4, stages=2, interpret=interpret,
-                  operands="stored", pass_stages=1, block_k=32, pair_block_k=32, reverse_warps=4)
+                  operands="stored", pass_stages=1, block_k=32, pair_block_k=32, reverse_warps=4, cumsum="kernel")
 
 
 def _pow2_at_least_16(n):

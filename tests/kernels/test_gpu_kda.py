@@ -13,11 +13,13 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import deltajax
 from deltajax.kernels import gpu as pallas_gpu
+from deltajax.kernels.gpu import kda as kda_module
 from deltajax.kernels.gpu.kda import default_config, kda_chunk
 from deltajax.kernels.gpu.wy_chunk import chunk_wy
 from deltajax.rules import dispatch
@@ -213,10 +215,12 @@ def test_other_chunk_sizes(chunk_size):
                                        dict(forward="split", block_v=16, output_block_v=32),
                                        dict(operands="inline"), dict(operands="inline", forward="split"),
                                        dict(block_k=16, pair_block_k=64), dict(block_k=64, pair_block_k=16),
-                                       dict(grad_v_splits=2, grad_block_v=16), dict(grad_v_splits=4)],
+                                       dict(grad_v_splits=2, grad_block_v=16), dict(grad_v_splits=4),
+                                       dict(cumsum="xla")],
                          ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks", "wide_v_blocks",
                               "split_forward", "split_forward_v_blocks", "inline_operands", "inline_split_forward",
-                              "channel_blocks_16_64", "channel_blocks_64_16", "grad_v_splits_2", "grad_v_splits_4"])
+                              "channel_blocks_16_64", "channel_blocks_64_16", "grad_v_splits_2", "grad_v_splits_4",
+                              "cumsum_xla"])
 def test_config_variants_fp32(overrides):
     """`Config.inverse="blocks"` (16 x 16 substitutions + block merges, the 16-bit default), the 16 x 16 block
     prepare kernel, other V blocks, inline operands and channel blocks (K = 32: two blocks of 16) meet the fp32
@@ -238,6 +242,37 @@ def test_config_variants_fp32(overrides):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, block_k=24)), x)
     with pytest.raises(ValueError, match="grad_v_splits"):
         _grads(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, grad_v_splits=8)), x)
+    with pytest.raises(ValueError, match="cumsum"):
+        _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, cumsum="scan")), x)
+
+
+def test_cumulative_kernel_is_the_in_chunk_cumsum_to_twice_fp32():
+    """`_cumulative_kernel` (hi + lo by TwoSum down each chunk's rows) against a float64 cumsum, on gates that mix
+    -20 with ~-1e-6 (the case the split exists for): G to ~1e-12, and every difference of neighbours taken part by
+    part to fp32 accuracy relative to the difference itself (1e-5), as with the XLA form (`CumulativeLogDecay.of`).
+    Both are limited by the fp32 rounding of lo_t - lo_s (~1e-11 absolute). The fp32 sum alone (hi) misses the
+    -1e-6 steps by more than 1% after a -20: the bound tells the two apart."""
+    B, T, Hv, K, C = 2, 256, 3, 32, 64
+    key = fresh_key()
+    x = -0.5 * jax.random.uniform(key, (B, T, Hv, K), minval=0.01, maxval=1.0)
+    x = x.at[:, ::7].set(-20.0).at[:, 3::5].set(-1e-6)
+    cfg = default_config(jnp.zeros((B, T, Hv, K)), jnp.zeros((B, T, Hv, K)), scale=1.0, chunk_size=C,
+                         segmented=False, interpret=not ON_GPU)
+    exact = np.cumsum(np.asarray(x, np.float64).reshape(B, T // C, C, Hv, K), axis=2).reshape(B, T, Hv, K)
+    inside = np.arange(1, T) % C != 0  # neighbours in one chunk
+    true_step = (exact[:, 1:] - exact[:, :-1])[:, inside]
+    step_error = lambda step: np.max(np.abs(step[:, inside] - true_step) / np.abs(true_step))
+    errors = {}
+    for method in kda_module.CUMSUM_METHODS:
+        hi, lo = (np.asarray(a) for a in jax.jit(
+            lambda x: kda_module._cumulative(dataclasses.replace(cfg, cumsum=method), x))(x))
+        errors[method] = (np.abs(hi.astype(np.float64) + lo - exact).max(),
+                          step_error((hi[:, 1:] - hi[:, :-1]).astype(np.float64) + (lo[:, 1:] - lo[:, :-1])),
+                          step_error((hi[:, 1:] - hi[:, :-1]).astype(np.float64)))
+    print(errors)
+    assert errors["kernel"][0] <= 1e-10
+    assert errors["kernel"][1] <= 1e-5 and errors["xla"][1] <= 1e-5
+    assert errors["kernel"][2] > 1e-2  # without lo
 
 
 @pytest.mark.parametrize("family", ADVERSARIAL)
@@ -451,13 +486,14 @@ def _lower_for_cuda(K, V, dtype, *, T=130, segmented=True, init=True, overrides=
 
 
 def _expected_kernels(overrides=None):
-    """(Triton calls in the forward, in the forward + gradients). Forward: prepare, the stored operands, the
-    forward pass. With gradients: prepare, operands, forward pass with states, operands again (formed, not saved),
-    reverse pass, the V and the pair gradient kernels. "inline" operands drop the operand kernels; the "split"
-    forward is two kernels (state pass, then output)."""
-    cfg = dict(dict(operands="stored", forward="fused"), **(overrides or {}))
+    """(Triton calls in the forward, in the forward + gradients). Forward: the gates' cumsum, prepare, the stored
+    operands, the forward pass. With gradients: cumsum, prepare, operands, forward pass with states, operands again
+    (formed, not saved), reverse pass, the V and the pair gradient kernels. "inline" operands drop the operand
+    kernels; the "split" forward is two kernels (state pass, then output); the XLA cumsum is no kernel."""
+    cfg = dict(dict(operands="stored", forward="fused", cumsum="kernel"), **(overrides or {}))
     fwd, both = (3, 7) if cfg["operands"] == "stored" else (2, 5)
-    return (fwd + 1, both + 1) if cfg["forward"] == "split" else (fwd, both)
+    fwd, both = (fwd + 1, both + 1) if cfg["forward"] == "split" else (fwd, both)
+    return (fwd + 1, both + 1) if cfg["cumsum"] == "kernel" else (fwd, both)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -488,6 +524,7 @@ CONFIG_VARIANTS = {
     "channel_blocks": dict(block_k=16, pair_block_k=64, pair_warps=8, reverse_warps=8, grad_warps=4),
     "grad_v_splits": dict(grad_v_splits=2),
     "whole_channels": dict(block_k=128, pair_block_k=128),
+    "cumsum_xla": dict(cumsum="xla"),
 }
 
 

@@ -55,8 +55,9 @@ the index maps, never a repeated copy):
   output is per channel, so channel blocks are independent programs (dbeta's share through R, which needs all
   channels, is summed in the V kernel from R saved by prepare).
 
-In XLA around them: padding (T to a multiple of C, K and V to powers of two >= 16), the document flags, the sum of dq/dk over each key head's value heads and the cumsums that turn dG into
-d(log_decay) (reverse for G, exclusive forward for E, whose gates are those after s).
+In XLA around them: padding (T to a multiple of C, K and V to powers of two >= 16), the document flags, the sum of
+dq/dk over each key head's value heads and the cumsums that turn dG into d(log_decay) (reverse for G, exclusive
+forward for E, whose gates are those after s).
 
 Precision (`Config.dots`, products with an fp32 operand): "highest" (IEEE fp32; fp32 inputs) or "split" (16-bit
 inputs): each fp32 operand x is written as hi + lo with hi = bf16(x), lo = bf16(x - hi), and the product is summed
@@ -120,8 +121,8 @@ OPERAND_METHODS = ("inline", "stored")
 CUMSUM_METHODS = ("xla", "kernel")
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
 
-__all__ = ["CHUNK_SIZES", "CUMSUM_METHODS", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM", "OPERAND_METHODS",
-           "PREPARE_METHODS", "Config", "default_config", "kda_chunk"]
+__all__ = ["CHUNK_SIZES", "CUMSUM_METHODS", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM",
+           "OPERAND_METHODS", "PREPARE_METHODS", "Config", "default_config", "kda_chunk"]
 
 
 @dataclasses.dataclass(frozen=True)

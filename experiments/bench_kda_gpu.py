@@ -36,9 +36,9 @@ VARIANTS = {
     # Stored operands (pass stages 1), prepare in blocks of 32 channels, pair gradients 32 channels per program at 4
     # warps, V gradients at 8 warps, inverse "blocks" for bf16 (docs/kernels.md, KDA, 2026-11-25).
     "default": {},
-    # The chunk-parallel kernels launched heads fastest instead of chunks fastest (`common.GRID_ORDERS`).
     # The gates' compensated cumsum in XLA (`CumulativeLogDecay.of`) instead of `_cumulative_kernel`.
     "cumsum_xla": dict(cumsum="xla"),
+    # The chunk-parallel kernels launched heads fastest instead of chunks fastest (`common.GRID_ORDERS`).
     "heads_first": dict(grid_order="heads"),
     "chunks_first": dict(grid_order="chunks"),
     # The defaults until 2026-11-25: every kernel sat at 255 registers and spilled.

@@ -35,6 +35,9 @@ flags.DEFINE_bool("interpret", False, "Run in Pallas's interpreter (a smoke test
 
 VARIANTS = {
     "default": {},
+    # The sequential passes read each chunk's scalars formed in XLA (`Config.pass_scalars`), or form them inline.
+    "scalars_stored": dict(pass_scalars="stored"),
+    "scalars_inline": dict(pass_scalars="inline"),
     # The chunk-parallel kernels launched heads fastest instead of chunks fastest (`common.GRID_ORDERS`).
     "heads_first": dict(grid_order="heads"),
     "chunks_first": dict(grid_order="chunks"),

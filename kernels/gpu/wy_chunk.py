@@ -89,6 +89,7 @@ STATE_STORAGES = ("fp32", "bf16")
 # dependent products per chunk instead of three), measured slower at every size on the H100 and was removed
 # (docs/kernels.md, "Eighth session").
 OUTPUT_METHODS = ("fused", "split")
+PASS_SCALARS = ("inline", "stored")
 # The forward without residuals in pieces of the sequence, each piece's state pass beside the next piece's inverse
 # and the last piece's output (on side streams through `compute_on`, then as roles of one launch per piece),
 # measured slower than one piece at 1x32768x16x128 and 1x65536x16x128 on the H100 and was removed (docs/kernels.md,
@@ -151,6 +152,12 @@ class Config:
     # step, or "split": the pair written by the inverse kernel (the same three products, so the same values).
     pass_inverse_storage: str = "fp32"
     reverse_inverse_storage: str = "fp32"
+    # Where the sequential passes get each chunk's exp(G) carry, exp(G_C - G) tail and survival factor
+    # (PASS_SCALARS): "stored", read as `_stored_scalars` forms them in XLA before the pass (see `_pass_loop`);
+    # "inline", from G, carry and tail in every step: three reductions for the chunk's last values, each through
+    # shared memory and a barrier, behind an un-prefetched load of carry, all on the step's chain (1.52 -> 1.16 ms
+    # for the forward pass at 1x32768x16x128 on the H100; docs/kernels.md, "Chunk scalars out of the passes").
+    pass_scalars: str = "stored"
 
     # Launch order of the chunk-parallel kernels (`common.GRID_ORDERS`): chunks or heads fastest.
     grid_order: str = "chunks"
@@ -168,6 +175,8 @@ class Config:
                 raise ValueError(f"{name} must be one of {INVERSE_STORAGES}, got {value!r}")
             if value == "split" and self.inverse_dots != "split":
                 raise ValueError(f"{name}='split' needs inverse_dots='split', got {self.inverse_dots!r}")
+        if self.pass_scalars not in PASS_SCALARS:
+            raise ValueError(f"pass_scalars must be one of {PASS_SCALARS}, got {self.pass_scalars!r}")
         if self.state_storage not in STATE_STORAGES:
             raise ValueError(f"state_storage must be one of {STATE_STORAGES}, got {self.state_storage!r}")
         if self.state_storage == "bf16" and not (
@@ -207,6 +216,54 @@ def _chunk_scalars(g, carry, tail):
     hi_last, lo_last = _last(hi), _last(lo)
     return (carry * jnp.exp(hi + lo), tail * jnp.exp((hi_last - hi) + (lo_last - lo)),
             _last(carry) * jnp.exp(hi_last + lo_last))
+
+
+def _stored_scalars(cfg, g, carry, tail):
+    """`_chunk_scalars` of every chunk, formed in XLA for the passes of `pass_scalars="stored"`: from_start and
+    to_end [B, Hv, Tp], and survive [B, Hv, nt]."""
+    _, B, Tp, Hv = g.shape
+    C = cfg.chunk_size
+    nt = Tp // C
+    hi, lo = (x.reshape(B, nt, C, Hv) for x in g)
+    carry, tail = carry.reshape(B, nt, C, 1), tail.reshape(B, nt, C, 1)
+    hi_last, lo_last = hi[:, :, -1:], lo[:, :, -1:]
+    from_start = carry * jnp.exp(hi + lo)
+    to_end = tail * jnp.exp((hi_last - hi) + (lo_last - lo))
+    survive = (carry[:, :, -1:] * jnp.exp(hi_last + lo_last))[:, :, 0]  # [B, nt, Hv]
+    per_head = lambda x: jnp.moveaxis(x.reshape(B, Tp, Hv), 2, 1)
+    return per_head(from_start), per_head(to_end), jnp.moveaxis(survive, 2, 1)
+
+
+def _pass_scalar_inputs(cfg, sp, g, carry, tail, *, gates=True):
+    """(arrays, BlockSpecs) of a sequential pass's `scalar_refs` (see `_pass_loop`): for "inline" (carry, tail),
+    with `gates` (G, carry, tail) for a pass that has no G ref of its own; for "stored" `_stored_scalars`."""
+    if cfg.pass_scalars == "stored":
+        return _stored_scalars(cfg, g, carry, tail), (sp["head_seq"], sp["head_seq"], sp["head_chunks"])
+    if not gates:
+        return (carry, tail), (sp["seq"], sp["seq"])
+    return (g, carry, tail), (sp["gates"], sp["seq"], sp["seq"])
+
+
+def _pass_loop(cfg, nt, scalar_refs, body, init, *, reverse=False):
+    """`lax.fori_loop` of a sequential pass over its chunks (the last one first with `reverse`): the carried state
+    goes through s = body(i, stored, s) for chunk i. `stored` is None for "inline" (the body forms
+    `_chunk_scalars` itself), else chunk i's (from_start, to_end, survive) read from `scalar_refs`. The survival
+    factor is a scalar load, which the software pipeline does not prefetch: it is loaded one step ahead and
+    carried, so its latency is off the step's chain."""
+    C = cfg.chunk_size
+    chunk = (lambda n: nt - 1 - n) if reverse else (lambda n: n)
+    if cfg.pass_scalars != "stored":
+        return lax.fori_loop(0, nt, lambda n, s: body(chunk(n), None, s), init)
+    from_start_ref, to_end_ref, survive_ref = scalar_refs
+
+    def step(n, carried):
+        s, survive = carried
+        i = chunk(n)
+        ahead = survive_ref[chunk(jnp.minimum(n + 1, nt - 1))]
+        rows = pl.ds(pl.multiple_of(i * C, C), C)
+        return body(i, (from_start_ref[rows], to_end_ref[rows], survive), s), ahead
+
+    return lax.fori_loop(0, nt, step, (init, survive_ref[chunk(0)]))[0]
 
 
 def _block_diagonal_inverses(ats):
@@ -416,6 +473,9 @@ def _sequence_specs(cfg, Tp, K, BV, *, pair=False):
         gate=pl.BlockSpec((None, Tp, None), lambda j, bh: (bh // Hv, 0, bh % Hv)),
         gates=pl.BlockSpec((2, None, Tp, None), lambda j, bh: (0, bh // Hv, 0, bh % Hv)),  # G as (hi, lo)
         seq=pl.BlockSpec((None, Tp), lambda j, bh: (bh // Hv, 0)),
+        # [B, Hv, Tp] and [B, Hv, nt]: per-head rows of `_stored_scalars`.
+        head_seq=pl.BlockSpec((None, None, Tp), lambda j, bh: (bh // Hv, bh % Hv, 0)),
+        head_chunks=pl.BlockSpec((None, None, Tp // cfg.chunk_size), lambda j, bh: (bh // Hv, bh % Hv, 0)),
         state=pl.BlockSpec((None, None, K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
         # Every chunk's state (or state cotangent) of the head, stacked: [B, Hv, nt * K, V].
         states=pl.BlockSpec((None, None, (Tp // cfg.chunk_size) * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
@@ -444,32 +504,32 @@ def _output(cfg, q, k, g, doc, from_start, s, u):
     return cfg.scale * (from_start[:, None] * _dot(q, s, mode=cfg.state_dots) + _dot(p, u, mode=cfg.dots))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, tail_ref, h0_ref,
-                    o_ref, final_ref, *saved_refs, cfg: Config, nt: int):
+def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, scalar_refs, h0_ref, o_ref, final_ref,
+                    *saved_refs, cfg: Config, nt: int):
     """`cfg.output_method` "fused": the output inside the pass. saved_refs: none (forward only), or every chunk's
-    start state, and with `cfg.grads_from_passes` u."""
+    start state, and with `cfg.grads_from_passes` u. scalar_refs: see `_pass_scalar_inputs`."""
     C = cfg.chunk_size
     K = q_ref.shape[-1]
     states_ref = saved_refs[:1]
 
-    def chunk(i, s):
+    def chunk(i, stored, s):
         """s: the state block at the start of chunk i; returns the one at its end."""
         rows = pl.ds(pl.multiple_of(i * C, C), C)
         if states_ref:
             states_ref[0][pl.ds(pl.multiple_of(i * K, K), K), :] = s.astype(states_ref[0].dtype)
         k, g = k_ref[rows, :], _gates(g_ref, rows)
-        scalars = _chunk_scalars(g, carry_ref[rows], tail_ref[rows])
+        scalars = stored if stored is not None else _chunk_scalars(g, *(ref[rows] for ref in scalar_refs))
         u, s_end = _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k, scalars, s)
         if cfg.delta and len(saved_refs) == 2:
             saved_refs[1][rows, :] = u
         o_ref[rows, :] = _output(cfg, q_ref[rows, :], k, g, doc_ref[rows], scalars[0], s, u).astype(o_ref.dtype)
         return s_end
 
-    final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
+    final_ref[...] = _pass_loop(cfg, nt, scalar_refs, chunk, h0_ref[...])
 
 
-def _state_kernel(k_ref, v_ref, beta_ref, t_ref, g_ref, carry_ref, tail_ref, h0_ref, final_ref, states_ref,
-                  *u_ref, cfg: Config, nt: int):
+def _state_kernel(k_ref, v_ref, beta_ref, t_ref, scalar_refs, h0_ref, final_ref, states_ref, *u_ref, cfg: Config,
+                  nt: int):
     """`cfg.output_method` "split": the pass carries only the state, (3), (4) and (6); writes every chunk's start
     state and u (delta rule) for `_output_kernel`, which does (5) chunk-parallel. The dependency chain of a step is
     then K S_0, T (beta y) and K_end^T u alone, with nothing else for the program to issue between them. T is
@@ -477,16 +537,18 @@ def _state_kernel(k_ref, v_ref, beta_ref, t_ref, g_ref, carry_ref, tail_ref, h0_
     C = cfg.chunk_size
     K = k_ref.shape[-1]
 
-    def chunk(i, s):
+    def chunk(i, stored, s):
         rows = pl.ds(pl.multiple_of(i * C, C), C)
         states_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = s.astype(states_ref.dtype)
-        scalars = _chunk_scalars(_gates(g_ref, rows), carry_ref[rows], tail_ref[rows])
-        u, s_end = _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k_ref[rows, :], scalars, s)
+        if stored is None:
+            g_ref, carry_ref, tail_ref = scalar_refs
+            stored = _chunk_scalars(_gates(g_ref, rows), carry_ref[rows], tail_ref[rows])
+        u, s_end = _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k_ref[rows, :], stored, s)
         if u_ref:
             u_ref[0][rows, :] = u
         return s_end
 
-    final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
+    final_ref[...] = _pass_loop(cfg, nt, scalar_refs, chunk, h0_ref[...])
 
 
 def _output_kernel(q_ref, k_ref, u_ref, g_ref, doc_ref, carry_ref, s0_ref, o_ref, *, cfg: Config):
@@ -533,17 +595,18 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
         if _saves_u_dx(cfg):
             out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
             out_specs.append(sp["value"])
+    scalars, scalar_specs = _pass_scalar_inputs(cfg, sp, g, carry, tail, gates=False)
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
-        in_specs=[sp["key"], sp["key"], sp["value"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], sp["seq"],
-                  sp["seq"], sp["state"]],
+        in_specs=[sp["key"], sp["key"], sp["value"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"],
+                  scalar_specs, sp["state"]],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_params(cfg.warps, _pass_stages(cfg)),
         interpret=cfg.interpret,
         name="wy_forward",
-    )(q, k, v, beta, t, g, doc, carry, tail, h0)
+    )(q, k, v, beta, t, g, doc, scalars, h0)
 
 
 def _pass_layout(cfg, t, B, Tp, K, Hv, V):
@@ -565,16 +628,17 @@ def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0):
     if cfg.delta:
         out_specs.append(sp["value"])
         out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
+    scalars, scalar_specs = _pass_scalar_inputs(cfg, sp, g, carry, tail)
     return pl.pallas_call(
         functools.partial(_state_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
-        in_specs=[sp["key"], sp["value"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], sp["seq"], sp["state"]],
+        in_specs=[sp["key"], sp["value"], sp["gate"], sp["inverse"], scalar_specs, sp["state"]],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_params(cfg.warps, _pass_stages(cfg)),
         interpret=cfg.interpret,
         name="wy_states",
-    )(k, v, beta, t, g, carry, tail, h0)
+    )(k, v, beta, t, scalars, h0)
 
 
 def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype):
@@ -607,18 +671,20 @@ def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, tail_ref, do_ref, dfinal_ref,
-                    dh0_ref, dends_ref, *dx_ref, cfg: Config, nt: int):
+def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, scalar_refs, do_ref, dfinal_ref, dh0_ref,
+                    dends_ref, *dx_ref, cfg: Config, nt: int):
+    """scalar_refs: see `_pass_scalar_inputs`."""
     C = cfg.chunk_size
     K = q_ref.shape[-1]
 
-    def chunk(n, ds):
-        """ds: dL/d(state at the end of chunk i = nt-1-n); returns dL/d(state at its start)."""
-        i = nt - 1 - n
+    def chunk(i, stored, ds):
+        """ds: dL/d(state at the end of chunk i); returns dL/d(state at its start)."""
         rows = pl.ds(pl.multiple_of(i * C, C), C)
         dends_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = ds.astype(dends_ref.dtype)
         q, k, g = q_ref[rows, :], k_ref[rows, :], _gates(g_ref, rows)
-        from_start, to_end, survive = _chunk_scalars(g, carry_ref[rows], tail_ref[rows])
+        if stored is None:
+            stored = _chunk_scalars(g, *(ref[rows] for ref in scalar_refs))
+        from_start, to_end, survive = stored
         do = do_ref[rows, :]
         ds_start = survive * ds + cfg.scale * _dot(q, from_start[:, None] * do.astype(F32), ta=True,
                                                    mode=cfg.state_dots)
@@ -634,7 +700,7 @@ def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, ta
             ds_start = ds_start + _dot(k, dks, ta=True, mode=cfg.grad_dots)
         return ds_start
 
-    dh0_ref[...] = lax.fori_loop(0, nt, chunk, dfinal_ref[...])
+    dh0_ref[...] = _pass_loop(cfg, nt, scalar_refs, chunk, dfinal_ref[...], reverse=True)
 
 
 def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal):
@@ -644,17 +710,18 @@ def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal):
     if _saves_u_dx(cfg):
         out_specs.append(sp["value"])
         out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
+    scalars, scalar_specs = _pass_scalar_inputs(cfg, sp, g, carry, tail, gates=False)
     return pl.pallas_call(
         functools.partial(_reverse_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
-        in_specs=[sp["key"], sp["key"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], sp["seq"], sp["seq"],
+        in_specs=[sp["key"], sp["key"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], scalar_specs,
                   sp["value"], sp["state"]],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_params(cfg.warps, _pass_stages(cfg)),
         interpret=cfg.interpret,
         name="wy_reverse",
-    )(q, k, beta, t, g, doc, carry, tail, do, dfinal)
+    )(q, k, beta, t, g, doc, scalars, do, dfinal)
 
 
 def _grad_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, tail_ref, s0_ref, dend_ref,

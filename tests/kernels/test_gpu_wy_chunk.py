@@ -45,6 +45,12 @@ GRAD_VARIANTS = {
     "merged_fused_output": dict(grad_method="merged", grad_block_v=16, grad_block_k=256, output_method="fused"),
     "merged_split_output": dict(grad_method="merged", grad_block_v=16, grad_block_k=256, output_method="split",
                                 output_block_v=16),
+    # The passes forming their chunk scalars inline (`Config.pass_scalars`; default "stored"), with either output
+    # method.
+    "merged_split_output_inline_scalars": dict(grad_method="merged", grad_block_v=16, grad_block_k=256,
+                                               output_method="split", pass_scalars="inline"),
+    "fused_fused_output_inline_scalars": dict(grad_method="fused", grad_block_v=32, grad_block_k=256,
+                                              output_method="fused", pass_scalars="inline"),
 }
 LOWERED_GRAD_VARIANTS = {
     "fused": GRAD_VARIANTS["fused"],
@@ -64,6 +70,10 @@ LOWERED_GRAD_VARIANTS = {
                                               reverse_inverse_storage="split"),
     "fused_split_output": dict(grad_method="fused", grad_block_v=32, grad_block_k=256, output_method="split",
                                output_block_v=64),
+    "merged_split_output_inline_scalars": dict(grad_method="merged", grad_block_v=32, grad_block_k=256,
+                                               output_method="split", pass_scalars="inline"),
+    "merged_fused_output_inline_scalars": dict(grad_method="merged", grad_block_v=32, grad_block_k=256,
+                                               output_method="fused", pass_scalars="inline"),
 }
 # Both output methods, each forced (the default picks one by shape).
 OUTPUT_VARIANTS = {method: dict(output_method=method) for method in wy_chunk.OUTPUT_METHODS}

@@ -47,10 +47,6 @@ VARIANTS = {
     "rows": dict(inverse="rows"),
     "prep_blocks": dict(prepare="blocks"),  # 16 x 16 block prepare (measured 2.4x slower once)
     "prep_blocks_rows": dict(prepare="blocks", inverse="rows"),  # row substitution as 16-row strips (the fp32 default)
-    # Pairs inside a sub-chunk through reference splits at 4-token and 1-token levels, no partner loop.
-    "prep_levels": dict(prepare="levels"),
-    "prep_levels_warps8": dict(prepare="levels", prepare_warps=8),
-    "prep_levels_bk64": dict(prepare="levels", block_k=64),
     "bv16": dict(block_v=16),
     "bv32": dict(block_v=32),
     "warps2": dict(warps=2),

@@ -102,10 +102,7 @@ INVERSE_METHODS = ("rows", "blocks")
 # "partner": whole C x C / C x K values, a C x K x C product per reference and a 16-step loop over partner offsets
 # (measured faster on the H100); "blocks": 16 x 16 blocks from 16-row ref slices (measured 2.4x slower: 12.7 ms
 # against 5.2 ms at 8x2048x16x128 bf16).
-# "levels": as "partner" but the pairs inside a 16-token sub-chunk are split at reference gates too, one level
-# down (4-token groups inside each sub-chunk, then single tokens inside each group: `_pair_matrices_levels`), so
-# the 16 serial partner steps become 6 more C x K x C products and 6 gathers of a reference row per group.
-PREPARE_METHODS = ("partner", "blocks", "levels")
+PREPARE_METHODS = ("partner", "blocks")
 # "fused": one sequential pass does (4)-(6) and writes O. "split": the pass carries only the state ((4) and (6):
 # no q, no P, two of the five products) and writes every chunk's start state; `_output_kernel` then does (4)
 # and (5) chunk-parallel from those states. On the H100 the fused pass measured 3.8 ms at 8x2048x16x128 bf16
@@ -273,61 +270,6 @@ def _pair_matrices(geo, pairs, g, glo, mode):
         return tuple(new)
 
     return list(lax.fori_loop(0, SUB, diagonal, tuple(out)))
-
-
-def _group_row(x, group, index):
-    """Row `index` of every group of `group` consecutive rows of x (C x D), broadcast over its group: a masked sum
-    of one term and zeros per group, exact in fp32."""
-    C, D = x.shape
-    n = C // group
-    offset = lax.broadcasted_iota(jnp.int32, (C, 1), 0) & (group - 1)
-    picked = jnp.where(offset == index, x, 0.0).reshape(n, group, D)
-    return jnp.broadcast_to(jnp.sum(picked, axis=1, keepdims=True), (n, group, D)).reshape(C, D)
-
-
-# Nested block sizes of `_pair_matrices_levels`: sub-chunks of SUB tokens, groups of 4 inside them, single tokens.
-LEVELS = (SUB, 4, 1)
-
-
-def _pair_matrices_levels(geo, pairs, g, glo, mode):
-    """`_pair_matrices` (same contract) with reference splits at every level of LEVELS.
-
-    At a level of blocks of b tokens inside parents of p tokens (p = C for the first level), the pairs (t, s) of
-    one parent with t in a later block than s's block j split at the gate G_ref of block j's last token:
-    D_ts = exp(G_t - G_ref) exp(G_ref - G_s), both exponents <= 0, one C x K x C product per j for all parents at
-    once. Pairs across parents get factors from two different references (still <= 1, so finite) and are masked
-    out of that level's sum. At b = 1 the reference is s itself, so the second factor is exactly 1 and needs no
-    exp. Every pair s < t is in exactly one level: the first at which t and s fall in different blocks.
-    """
-    C = g.shape[0]
-    out = [jnp.zeros((C, C), F32) for _ in pairs]
-    parent = C
-    for size in LEVELS:
-        if size >= parent:
-            continue
-        block = (geo.rows & (parent - 1)) // size  # (C, 1): t's block inside its parent
-        level = [jnp.zeros((C, C), F32) for _ in pairs]
-        for j in range(parent // size - 1):
-            token = size * (j + 1) - 1
-            if parent == C:
-                ref, ref_lo = _row(geo, g, token)[None, :], _row(geo, glo, token)[None, :]
-            else:
-                ref, ref_lo = _group_row(g, parent, token), _group_row(glo, parent, token)
-            to_ref = _masked_exp(block > j, (g - ref) + (glo - ref_lo))
-            if size == 1:
-                from_ref = (block == j).astype(F32)
-            else:
-                from_ref = _masked_exp(block == j, (ref - g) + (ref_lo - glo))
-            level = [m + _dot(a * to_ref, b * from_ref, tb=True, mode=mode) for m, (a, b) in zip(level, pairs)]
-        if parent == C:
-            out = [o + m for o, m in zip(out, level)]
-        else:
-            shift = parent.bit_length() - 1
-            same_parent = (lax.shift_right_logical(geo.rows_cc, jnp.int32(shift))
-                           == lax.shift_right_logical(geo.lanes, jnp.int32(shift)))
-            out = [o + jnp.where(same_parent, m, 0.0) for o, m in zip(out, level)]
-        parent = size
-    return out
 
 
 def _unit_lower_inverse(a):
@@ -523,8 +465,7 @@ def _prepare_blocks_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_re
 
 
 def _prepare_partner_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_ref, p_ref, *r_ref, cfg: Config):
-    """`Config.prepare="partner"` or `"levels"`: P, T (and R) on whole C x C / C x K values; see the module
-    docstring and `_pair_matrices_levels`."""
+    """`Config.prepare="partner"`: P, T (and R) on whole C x C / C x K values; see the module docstring."""
     C, K = cfg.chunk_size, q_ref.shape[-1]
     BK = min(cfg.block_k, K)
     geo = _geometry(C)
@@ -534,8 +475,7 @@ def _prepare_partner_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_r
         instead of 4 C x K (at K = 128 and 4 warps those alone are the 255 registers a thread may hold)."""
         cols = pl.ds(pl.multiple_of(j * BK, BK), BK)
         q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)
-        pair_matrices = _pair_matrices_levels if cfg.prepare == "levels" else _pair_matrices
-        p, r = pair_matrices(geo, ((q, k), (k, k)), g_ref[:, cols], glo_ref[:, cols], cfg.dots)
+        p, r = _pair_matrices(geo, ((q, k), (k, k)), g_ref[:, cols], glo_ref[:, cols], cfg.dots)
         # P_tt = q_t . k_t, decay exactly 1.
         p = p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
         return acc[0] + p, acc[1] + r
@@ -592,7 +532,7 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
     square = jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)
     n_out = 3 if with_r else 2
     return _chunk_parallel_call(
-        functools.partial(_prepare_blocks_kernel if cfg.prepare == "blocks" else _prepare_partner_kernel, cfg=cfg),
+        functools.partial(_prepare_partner_kernel if cfg.prepare == "partner" else _prepare_blocks_kernel, cfg=cfg),
         grid=(Tp // C, B * Hv),
         grid_order=cfg.grid_order,
         in_specs=[sp["key"], sp["key"], sp["channel"], sp["channel"], sp["gate"], sp["seq"]],

@@ -216,11 +216,11 @@ def test_other_chunk_sizes(chunk_size):
                                        dict(operands="inline"), dict(operands="inline", forward="split"),
                                        dict(block_k=16, pair_block_k=64), dict(block_k=64, pair_block_k=16),
                                        dict(grad_v_splits=2, grad_block_v=16), dict(grad_v_splits=4),
-                                       dict(cumsum="xla"), dict(prepare="levels")],
+                                       dict(cumsum="xla")],
                          ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks", "wide_v_blocks",
                               "split_forward", "split_forward_v_blocks", "inline_operands", "inline_split_forward",
                               "channel_blocks_16_64", "channel_blocks_64_16", "grad_v_splits_2", "grad_v_splits_4",
-                              "cumsum_xla", "prep_levels"])
+                              "cumsum_xla"])
 def test_config_variants_fp32(overrides):
     """`Config.inverse="blocks"` (16 x 16 substitutions + block merges, the 16-bit default), the 16 x 16 block
     prepare kernel, other V blocks, inline operands and channel blocks (K = 32: two blocks of 16) meet the fp32
@@ -275,40 +275,18 @@ def test_cumulative_kernel_is_the_in_chunk_cumsum_to_twice_fp32():
     assert errors["kernel"][2] > 1e-2  # without lo
 
 
-@pytest.mark.parametrize("overrides", [dict(forward="split"), dict(prepare="levels")],
-                         ids=["split_forward", "prep_levels"])
 @pytest.mark.parametrize("family", ADVERSARIAL)
-def test_config_variants_adversarial_fp32(family, overrides):
-    """`Config.forward="split"` (state pass, then the output chunk-parallel from the saved start states) and
-    `Config.prepare="levels"` (every in-chunk pair through reference splits) on the adversarial families, at the
-    bounds of the defaults."""
+def test_split_forward_adversarial_fp32(family):
+    """`Config.forward="split"` (state pass, then the output chunk-parallel from the saved start states) on the
+    adversarial families, at the bounds of the fused pass."""
     x = _adversarial(family)
     cfg = default_config(x["q"], x["v"], scale=x.get("scale", 0.3), chunk_size=64,
                          segmented=x["segment_ids"] is not None, interpret=not ON_GPU)
-    fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, **overrides))
+    fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, forward="split"))
     out_tol = FP32_OUT_TOL
     if family == "correlated_keys_beta_near_2":  # the conditioning of every chunked form (test_adversarial_fp32)
         out_tol = max(FP32_OUT_TOL, 2.0 * _chunk_form_error(x))
-    _check(x, out_tol, _fp32_grad_tol, fn=fn, label=f"{overrides}-{family}")
-
-
-@pytest.mark.parametrize("chunk_size", [16, 32, 64, 128])
-def test_prepare_levels_equals_partner(chunk_size):
-    """P, T and R of `prepare="levels"` against the partner loop's (which takes each in-sub-chunk exponent
-    exactly), fp32 products, gates from -20 to ~0 per channel, packed documents."""
-    x = _adversarial("mixed_minus_20_and_near_0", T=2 * chunk_size, K=32)
-    q, k, beta = x["q"], x["k"], x["beta"]
-    B, T = beta.shape[:2]
-    doc = jnp.cumsum(jax.random.bernoulli(fresh_key(), 0.05, (B, T)).astype(jnp.int32), axis=1)
-    outs = {}
-    for prepare in ("partner", "levels"):
-        cfg = default_config(q, x["v"], scale=0.3, chunk_size=chunk_size, segmented=True, interpret=not ON_GPU)
-        cfg = dataclasses.replace(cfg, prepare=prepare, dots="highest")
-        g, glo = kda_module._cumulative(cfg, x["log_decay"])
-        outs[prepare] = kda_module._prepare(cfg, q, k, g, glo, beta, doc, with_r=True)
-    for name, a, b in zip("TPR", outs["levels"], outs["partner"]):
-        assert np.all(np.isfinite(np.asarray(a))), name
-        assert relative_error(a, b) <= 1e-6, (name, relative_error(a, b))
+    _check(x, out_tol, _fp32_grad_tol, fn=fn, label=f"split-{family}")
 
 
 def test_split_forward_bf16_in_interpreter():
@@ -547,8 +525,6 @@ CONFIG_VARIANTS = {
     "grad_v_splits": dict(grad_v_splits=2),
     "whole_channels": dict(block_k=128, pair_block_k=128),
     "cumsum_xla": dict(cumsum="xla"),
-    "prep_levels": dict(prepare="levels"),
-    "prep_levels_warps8": dict(prepare="levels", prepare_warps=8),
 }
 
 

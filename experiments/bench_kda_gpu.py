@@ -47,6 +47,9 @@ VARIANTS = {
     "rows": dict(inverse="rows"),
     "prep_blocks": dict(prepare="blocks"),  # 16 x 16 block prepare (measured 2.4x slower once)
     "prep_blocks_rows": dict(prepare="blocks", inverse="rows"),  # row substitution as 16-row strips (the fp32 default)
+    # The partner loop of prepare gathering each sub-chunk's partner row by a masked sum (the default loads it).
+    "partner_gathered": dict(partner_rows="gathered"),
+    "partner_loaded": dict(partner_rows="loaded"),
     "bv16": dict(block_v=16),
     "bv32": dict(block_v=32),
     "warps2": dict(warps=2),

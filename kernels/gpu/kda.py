@@ -25,7 +25,8 @@ exp(-G_s) within five tokens):
     token, D_ts = exp(G_t - G_ref) exp(G_ref - G_s), both factors <= 1. One C x K x C product per j covers all
     such pairs: (Q (.) to_ref_j) (K (.) from_ref_j)^T, to_ref_j zero on sub-chunks <= j, from_ref_j zero outside j;
   * t and s in one sub-chunk: the exact exponent, masked before exp. A loop over the 16 offsets r pairs every
-    token with the token at offset r of its own sub-chunk (its "partner") and fills one column per sub-chunk.
+    token with the token at offset r of its own sub-chunk (its "partner", read by one strided load of rows r,
+    r + 16, ...) and fills one column per sub-chunk.
 
 G is a compensated cumsum (hi + lo, as `deltajax.rules.chunk.CumulativeLogDecay`; formed by `_cumulative_kernel`
 with an exact TwoSum per row): differences subtract the large parts first, so pairs that decay by ~1 after a -20
@@ -103,6 +104,11 @@ INVERSE_METHODS = ("rows", "blocks")
 # (measured faster on the H100); "blocks": 16 x 16 blocks from 16-row ref slices (measured 2.4x slower: 12.7 ms
 # against 5.2 ms at 8x2048x16x128 bf16).
 PREPARE_METHODS = ("partner", "blocks")
+# How the partner loop of `prepare="partner"` gets, for offset r, row r of every sub-chunk (of k and the gates):
+# "gathered" from the C x BK tiles it holds (a masked sum over each sub-chunk, a reduction across rows through
+# shared memory, three per step); "loaded" from the refs with one strided load each (prepare 3.27 -> 2.59 ms at
+# 8x2048x16x128 bf16 on the H100; docs/kernels.md, "KDA: partner rows by strided loads").
+PARTNER_ROWS = ("gathered", "loaded")
 # "fused": one sequential pass does (4)-(6) and writes O. "split": the pass carries only the state ((4) and (6):
 # no q, no P, two of the five products) and writes every chunk's start state; `_output_kernel` then does (4)
 # and (5) chunk-parallel from those states. On the H100 the fused pass measured 3.8 ms at 8x2048x16x128 bf16
@@ -155,6 +161,7 @@ class Config:
     grad_v_splits: int = 1  # programs per chunk of the V gradient kernel, each over V / grad_v_splits columns
     grid_order: str = "chunks"  # launch order of the chunk-parallel kernels (`common.GRID_ORDERS`)
     cumsum: str = "xla"  # CUMSUM_METHODS
+    partner_rows: str = "loaded"  # PARTNER_ROWS: how prepare's partner loop gets the partner tokens' rows
 
 
 def _masked_exp(mask, x):
@@ -241,19 +248,29 @@ def _reference_split(geo, g, glo, j):
     return to_ref, from_ref
 
 
-def _partner_decays(geo, g, glo, r):
+def _partner_decays(geo, g, glo, r, partner_gates=None):
     """(after, before) for every token t and its partner p = base_t + r, exact per channel:
 
     after_t = exp(G_t - G_p) where p < t, before_t = exp(G_p - G_t) where p > t, 0 elsewhere. p = t is left out:
-    its decay is the constant 1, which callers use without exp so that it never enters dG.
+    its decay is the constant 1, which callers use without exp so that it never enters dG. `partner_gates`: the
+    partner rows (G_p hi, lo) when the caller has them, else gathered by `_partner`.
     """
-    diff = (g - _partner(geo, g, r)) + (glo - _partner(geo, glo, r))  # G_t - G_p
+    g_p, glo_p = partner_gates or (_partner(geo, g, r), _partner(geo, glo, r))
+    diff = (g - g_p) + (glo - glo_p)  # G_t - G_p
     return _masked_exp(geo.offset > r, diff), _masked_exp(geo.offset < r, -diff)
 
 
-def _pair_matrices(geo, pairs, g, glo, mode):
+def _spread_partner_rows(x):
+    """(C / SUB, D) rows, one per sub-chunk, -> (C, D): each row repeated over its sub-chunk."""
+    n, D = x.shape
+    return jnp.broadcast_to(x.reshape(n, 1, D), (n, SUB, D)).reshape(n * SUB, D)
+
+
+def _pair_matrices(geo, pairs, g, glo, mode, partner_rows=None):
     """For each (a, b) in `pairs`: M[t, s] = sum_c a_tc b_sc D_tsc for s < t (unmasked by documents; 0 on and
-    above the diagonal)."""
+    above the diagonal). `partner_rows(r)`, when given, returns (G_p hi, G_p lo, [b_p of each pair]) at offset r
+    of every sub-chunk, C x D each, read from the refs (`Config.partner_rows="loaded"`) instead of gathered from
+    the tiles by `_partner`'s masked sums."""
     C = g.shape[0]
     out = [jnp.zeros((C, C), F32) for _ in pairs]
     for j in range(C // SUB - 1):
@@ -261,11 +278,16 @@ def _pair_matrices(geo, pairs, g, glo, mode):
         out = [m + _dot(a * to_ref, b * from_ref, tb=True, mode=mode) for m, (a, b) in zip(out, pairs)]
 
     def diagonal(r, out):
-        after, _ = _partner_decays(geo, g, glo, r)
+        if partner_rows is None:
+            partner_gates, partner_bs = None, [_partner(geo, b, r) for _, b in pairs]
+        else:
+            g_p, glo_p, partner_bs = partner_rows(r)
+            partner_gates = (g_p, glo_p)
+        after, _ = _partner_decays(geo, g, glo, r, partner_gates)
         column = geo.lanes == geo.base + r  # entry [t, base_t + r]; rows with p >= t get 0 from `after`
         new = []
-        for m, (a, b) in zip(out, pairs):
-            entry = jnp.sum(a * _partner(geo, b, r) * after, axis=1)
+        for m, (a, _), b_p in zip(out, pairs, partner_bs):
+            entry = jnp.sum(a * b_p * after, axis=1)
             new.append(jnp.where(column, entry[:, None], m))
         return tuple(new)
 
@@ -475,7 +497,16 @@ def _prepare_partner_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_r
         instead of 4 C x K (at K = 128 and 4 warps those alone are the 255 registers a thread may hold)."""
         cols = pl.ds(pl.multiple_of(j * BK, BK), BK)
         q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)
-        p, r = _pair_matrices(geo, ((q, k), (k, k)), g_ref[:, cols], glo_ref[:, cols], cfg.dots)
+
+        def partner_rows(r):
+            """Row r of every sub-chunk: one strided load per ref, no reduction across rows."""
+            rows = pl.ds(r, C // SUB, stride=SUB)
+            k_p = _spread_partner_rows(k_ref[rows, cols].astype(F32))
+            return (_spread_partner_rows(g_ref[rows, cols]), _spread_partner_rows(glo_ref[rows, cols]),
+                    [k_p, k_p])
+
+        p, r = _pair_matrices(geo, ((q, k), (k, k)), g_ref[:, cols], glo_ref[:, cols], cfg.dots,
+                              partner_rows if cfg.partner_rows == "loaded" else None)
         # P_tt = q_t . k_t, decay exactly 1.
         p = p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
         return acc[0] + p, acc[1] + r
@@ -524,6 +555,8 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
         raise ValueError(f"config.forward must be one of {FORWARD_METHODS}, got {cfg.forward!r}")
     if cfg.operands not in OPERAND_METHODS:
         raise ValueError(f"config.operands must be one of {OPERAND_METHODS}, got {cfg.operands!r}")
+    if cfg.partner_rows not in PARTNER_ROWS:
+        raise ValueError(f"config.partner_rows must be one of {PARTNER_ROWS}, got {cfg.partner_rows!r}")
     B, Tp, _, K = q.shape
     if cfg.block_k < 16 or cfg.block_k & (cfg.block_k - 1):
         raise ValueError(f"config.block_k must be a power of two >= 16, got {cfg.block_k}")

@@ -209,14 +209,20 @@ def test_adversarial_fp32(family, grad):
     tested (the XLA chunk form, the kernels at C = 64 and 32, with one step of iterative refinement of u) lands
     1e-6 to 1.6e-5 from the scan (which agrees with a float64 scan to 8e-7): the chunk form's own error is what
     fp32 allows a chunked algorithm there. A kernel worse than it can still fail: the block-substitution inverse
-    (3x the chunk form's output error on these inputs) failed in 1 of 9 draws."""
+    (3x the chunk form's output error on these inputs) failed in 1 of 9 draws.
+
+    The chunk form's error is itself one draw of that rounding: taken at C = 64 alone, the kernel's state error
+    exceeded twice it in 3 of 400 draws at K = V = 32 (2026-11-25; up to 1.6e-5 against 3.5e-6, while the chunk
+    form alone reached 1.65e-5 on other draws). So the reference error is the largest of the chunk form at C = 32,
+    64 and 128 (1 of the same 400 draws above twice that)."""
     dims = {} if grad == "fused" else dict(K=32, V=32)  # two K and two V blocks of 16
     x = _adversarial(fresh_key(), family, **dims)
     ref_inputs = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
     o_ref, s_ref = _call(recurrent_scan, ref_inputs, "delta_rule")
-    o_chunk, s_chunk = _call(dispatch.implementations("delta_rule")["chunk"].fn, ref_inputs, "delta_rule")
-    out_tol = max(FP32_OUT_TOL, 2 * relative_error(o_chunk, o_ref))
-    state_tol = max(FP32_OUT_TOL, 2 * relative_error(s_chunk, s_ref))
+    chunk_form = dispatch.implementations("delta_rule")["chunk"].fn
+    chunked = [_call(chunk_form, ref_inputs, "delta_rule", chunk_size=c) for c in (32, 64, 128)]
+    out_tol = max(FP32_OUT_TOL, 2 * max(relative_error(o, o_ref) for o, _ in chunked))
+    state_tol = max(FP32_OUT_TOL, 2 * max(relative_error(s, s_ref) for _, s in chunked))
     _check(x, "delta_rule", out_tol, _fp32_grad_tol, fn=_kernel(GRAD_VARIANTS[grad]), state_tol=state_tol)
 
 

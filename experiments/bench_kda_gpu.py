@@ -50,11 +50,6 @@ VARIANTS = {
     # The partner loop of prepare gathering each sub-chunk's partner row by a masked sum (the default loads it).
     "partner_gathered": dict(partner_rows="gathered"),
     "partner_loaded": dict(partner_rows="loaded"),
-    # The pair gradient kernel in 16 x 16 blocks (the default works on whole C x BK tiles).
-    "pairs_blocks": dict(pair_method="blocks"),
-    "pairs_tiles": dict(pair_method="tiles"),
-    "pairs_tiles_warps8": dict(pair_method="tiles", pair_warps=8),
-    "pairs_tiles_bk64": dict(pair_method="tiles", pair_block_k=64, pair_warps=8),
     "bv16": dict(block_v=16),
     "bv32": dict(block_v=32),
     "warps2": dict(warps=2),

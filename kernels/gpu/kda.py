@@ -109,10 +109,6 @@ PREPARE_METHODS = ("partner", "blocks")
 # shared memory, three per step); "loaded" from the refs with one strided load each (prepare 3.27 -> 2.59 ms at
 # 8x2048x16x128 bf16 on the H100; docs/kernels.md, "KDA: partner rows by strided loads").
 PARTNER_ROWS = ("gathered", "loaded")
-# The pair gradient kernel: "blocks", 16 x 16 blocks, each diagonal block a 16-step loop over partner rows read one
-# at a time (64 serial steps per chunk); "tiles", whole C x BK tiles as prepare, one 16-step partner loop with
-# strided loads (`_grad_pair_tiles_kernel`).
-PAIR_METHODS = ("blocks", "tiles")
 # "fused": one sequential pass does (4)-(6) and writes O. "split": the pass carries only the state ((4) and (6):
 # no q, no P, two of the five products) and writes every chunk's start state; `_output_kernel` then does (4)
 # and (5) chunk-parallel from those states. On the H100 the fused pass measured 3.8 ms at 8x2048x16x128 bf16
@@ -166,7 +162,6 @@ class Config:
     grid_order: str = "chunks"  # launch order of the chunk-parallel kernels (`common.GRID_ORDERS`)
     cumsum: str = "xla"  # CUMSUM_METHODS
     partner_rows: str = "loaded"  # PARTNER_ROWS: how prepare's partner loop gets the partner tokens' rows
-    pair_method: str = "tiles"  # PAIR_METHODS: the pair gradient kernel's layout
 
 
 def _masked_exp(mask, x):
@@ -560,8 +555,6 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
         raise ValueError(f"config.forward must be one of {FORWARD_METHODS}, got {cfg.forward!r}")
     if cfg.operands not in OPERAND_METHODS:
         raise ValueError(f"config.operands must be one of {OPERAND_METHODS}, got {cfg.operands!r}")
-    if cfg.pair_method not in PAIR_METHODS:
-        raise ValueError(f"config.pair_method must be one of {PAIR_METHODS}, got {cfg.pair_method!r}")
     if cfg.partner_rows not in PARTNER_ROWS:
         raise ValueError(f"config.partner_rows must be one of {PARTNER_ROWS}, got {cfg.partner_rows!r}")
     B, Tp, _, K = q.shape
@@ -1024,57 +1017,6 @@ def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dq
         dg_ref[_blk(i), :] = dg_rest[i] - row_block(k_ref, i) * right[i]
 
 
-def _grad_pair_tiles_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dq_in_ref, dk_in_ref,
-                            dg_in_ref, dq_ref, dk_ref, dg_ref, *, cfg: Config):
-    """`Config.pair_method="tiles"`: the sums of `_grad_pair_kernel` on whole C x BK tiles, as prepare forms P and
-    R. Pairs in different sub-chunks: one reference split per sub-chunk j, each a C x C x BK product (to_ref is
-    zero on rows of sub-chunks <= j and from_ref outside j, so the products need no mask). Pairs in one
-    sub-chunk: 16 steps over the partner offset r, every row t paired with row base_t + r of its sub-chunk, read
-    by strided loads; the dP and dR entries of a step are one column (left) or one row (right) per sub-chunk."""
-    C, mode = cfg.chunk_size, cfg.dots
-    geo = _geometry(C)
-    nb = C // SUB
-    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
-    g, glo = g_ref[...], glo_ref[...]
-    dp = dp_ref[...]
-    dr = beta_ref[...][:, None] * dm_ref[...]
-    left_p = jnp.zeros_like(q)
-    left_r = jnp.zeros_like(q)
-    right = jnp.zeros_like(q)
-    for j in range(nb - 1):
-        token = SUB * (j + 1) - 1
-        ref, ref_lo = _row(geo, g, token)[None, :], _row(geo, glo, token)[None, :]
-        to_ref = _masked_exp(geo.block > j, (g - ref) + (glo - ref_lo))
-        from_ref = _masked_exp(geo.block == j, (ref - g) + (ref_lo - glo))
-        k_from = k * from_ref
-        left_p = left_p + to_ref * _dot(dp, k_from, mode=mode)
-        left_r = left_r + to_ref * _dot(dr, k_from, mode=mode)
-        right = right + from_ref * (_dot(dp, q * to_ref, ta=True, mode=mode)
-                                    + _dot(dr, k * to_ref, ta=True, mode=mode))
-
-    def diagonal(r, acc):
-        left_p, left_r, right = acc
-        rows = pl.ds(r, nb, stride=SUB)
-        q_p = _spread_partner_rows(q_ref[rows, :].astype(F32))
-        k_p = _spread_partner_rows(k_ref[rows, :].astype(F32))
-        d = (g - _spread_partner_rows(g_ref[rows, :])) + (glo - _spread_partner_rows(glo_ref[rows, :]))  # G_t - G_p
-        after, before = _masked_exp(geo.offset > r, d), _masked_exp(geo.offset < r, -d)
-        column = geo.lanes == geo.base + r  # entry [t, base_t + r]
-        row = geo.rows_cc == geo.base_lanes + r  # entry [base_s + r, s]
-        pick = lambda m: jnp.sum(jnp.where(column, m, 0.0), axis=1)[:, None]  # m[t, p]
-        pick_t = lambda m: jnp.sum(jnp.where(row, m, 0.0), axis=0)[:, None]  # m[p, s]
-        left_p = left_p + pick(dp) * k_p * after
-        left_r = left_r + pick(dr) * k_p * after
-        right = right + (pick_t(dp) * q_p + pick_t(dr) * k_p) * before
-        return left_p, left_r, right
-
-    left_p, left_r, right = lax.fori_loop(0, SUB, diagonal, (left_p, left_r, right))
-    dp_self = jnp.sum(jnp.where(geo.rows_cc == geo.lanes, dp, 0.0), axis=1)[:, None]
-    dq_ref[...] = dq_in_ref[...] + left_p + dp_self * k
-    dk_ref[...] = dk_in_ref[...] + left_r + dp_self * q + right
-    dg_ref[...] = dg_in_ref[...] + q * left_p + k * left_r - k * right
-
-
 def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do):
     """`_grad_v_kernel`, grid (S, chunks, B*Hv) with S = `Config.grad_v_splits` programs per chunk, each over V/S
     value columns: (dv, dq, dk, dG, dE, dbeta, dP, dM) with dq, dk, dG partial. Every output but dv is linear in
@@ -1124,7 +1066,7 @@ def _grads_pairs(cfg, q, k, g, glo, beta, dp, dm, dq, dk, dg):
     square = pl.BlockSpec((None, C, None, C), lambda kb, i, bh: (bh // Hv, i, bh % Hv, 0))
     gate = pl.BlockSpec((None, C, None), lambda kb, i, bh: (bh // Hv, i, bh % Hv))
     return _chunk_parallel_call(
-        functools.partial(_grad_pair_tiles_kernel if cfg.pair_method == "tiles" else _grad_pair_kernel, cfg=cfg),
+        functools.partial(_grad_pair_kernel, cfg=cfg),
         grid=(K // BK, Tp // C, B * Hv),
         grid_order=cfg.grid_order,
         in_specs=[key, key, channel, channel, gate, square, square, channel, channel, channel],

@@ -216,13 +216,11 @@ def test_other_chunk_sizes(chunk_size):
                                        dict(operands="inline"), dict(operands="inline", forward="split"),
                                        dict(block_k=16, pair_block_k=64), dict(block_k=64, pair_block_k=16),
                                        dict(grad_v_splits=2, grad_block_v=16), dict(grad_v_splits=4),
-                                       dict(cumsum="xla"), dict(partner_rows="gathered"),
-                                       dict(pair_method="blocks"), dict(pair_method="blocks", pair_block_k=16)],
+                                       dict(cumsum="xla"), dict(partner_rows="gathered")],
                          ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks", "wide_v_blocks",
                               "split_forward", "split_forward_v_blocks", "inline_operands", "inline_split_forward",
                               "channel_blocks_16_64", "channel_blocks_64_16", "grad_v_splits_2", "grad_v_splits_4",
-                              "cumsum_xla", "partner_rows_gathered", "pairs_blocks",
-                              "pairs_blocks_16"])
+                              "cumsum_xla", "partner_rows_gathered"])
 def test_config_variants_fp32(overrides):
     """`Config.inverse="blocks"` (16 x 16 substitutions + block merges, the 16-bit default), the 16 x 16 block
     prepare kernel, other V blocks, inline operands and channel blocks (K = 32: two blocks of 16) meet the fp32
@@ -238,8 +236,6 @@ def test_config_variants_fp32(overrides):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, prepare="dense")), x)
     with pytest.raises(ValueError, match="forward"):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, forward="chunked")), x)
-    with pytest.raises(ValueError, match="pair_method"):
-        _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, pair_method="dense")), x)
     with pytest.raises(ValueError, match="partner_rows"):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, partner_rows="cached")), x)
     with pytest.raises(ValueError, match="operands"):
@@ -281,14 +277,12 @@ def test_cumulative_kernel_is_the_in_chunk_cumsum_to_twice_fp32():
     assert errors["kernel"][2] > 1e-2  # without lo
 
 
-@pytest.mark.parametrize("overrides", [dict(forward="split"), dict(partner_rows="gathered"),
-                                       dict(pair_method="blocks")],
-                         ids=["split_forward", "partner_rows_gathered", "pairs_blocks"])
+@pytest.mark.parametrize("overrides", [dict(forward="split"), dict(partner_rows="gathered")],
+                         ids=["split_forward", "partner_rows_gathered"])
 @pytest.mark.parametrize("family", ADVERSARIAL)
 def test_config_variants_adversarial_fp32(family, overrides):
     """`Config.forward="split"` (state pass, then the output chunk-parallel from the saved start states) and the
-    partner rows gathered by masked sums and the pair gradients in 16 x 16 blocks, on the adversarial families at
-    the bounds of the defaults."""
+    partner rows gathered by masked sums, on the adversarial families at the bounds of the defaults."""
     x = _adversarial(family)
     cfg = default_config(x["q"], x["v"], scale=x.get("scale", 0.3), chunk_size=64,
                          segmented=x["segment_ids"] is not None, interpret=not ON_GPU)
@@ -536,9 +530,6 @@ CONFIG_VARIANTS = {
     "whole_channels": dict(block_k=128, pair_block_k=128),
     "cumsum_xla": dict(cumsum="xla"),
     "partner_rows_gathered": dict(partner_rows="gathered"),
-    "pairs_blocks": dict(pair_method="blocks"),
-    "pairs_tiles_warps8": dict(pair_warps=8),
-    "pairs_tiles_64": dict(pair_block_k=64),
 }
 
 

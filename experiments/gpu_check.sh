@@ -33,7 +33,7 @@ if want precision; then
     --variants="${PRECISION_VARIANTS:-default}" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/precision.log"
 fi
 if want tests; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider $PARALLEL tests/kernels/test_gpu_wy_chunk.py -k "${TESTS:-gpu_bf16 or gpu_fp32 or gpu_adversarial or gpu_dispatch}" \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider $PARALLEL tests/kernels/test_gpu_wy_chunk.py -k "${TESTS:-gpu_bf16 or gpu_fp16 or gpu_fp32 or gpu_adversarial or gpu_dispatch}" \
     -rA --tb=short ${PYTEST_EXTRA:-} 2>&1 | tee "$OUT/pytest.log" | grep -E "PASS|FAIL|Error|error|assert|passed|failed"
 fi
 if want kda_tests; then

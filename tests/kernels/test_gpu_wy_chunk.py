@@ -293,6 +293,16 @@ def test_bf16_default_config_in_interpreter():
     _check(_round_trip_bf16(x), "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)
 
 
+def test_fp16_default_config_in_interpreter():
+    """float16 inputs (the "split" dots everywhere, fp16 outputs) at the 16-bit bounds, on the same rounded
+    inputs. The dispatch does not send float16 to these kernels yet (`pallas_gpu.DTYPES`): that waits for
+    `test_gpu_fp16_matches_scan` to run on a GPU."""
+    x = rule_inputs(fresh_key(), B=1, T=130, H=1, Hv=2, K=32, V=32, beta_max=2.0, packed=True,
+                    with_initial_state=True)
+    x["scale"] = 32 ** -0.5
+    _check(_round_trip(x, jnp.float16), "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)
+
+
 # bf16 operands where the correlated-keys case tolerates them (`Config.grad_k_dots`: part 2's products with S_0,
 # dS_end and dA; `Config.state_dots`: K S and K dS in the sequential passes), the default for 16-bit inputs: it must
 # hold the bf16 bounds on the case that rejected plain bf16 elsewhere. ALL_SPLIT keeps the "split" alternative
@@ -494,9 +504,13 @@ def _bf16_grad_tol(name):
     return BF16_GATE_GRAD_TOL if name in ("beta", "log_decay") else BF16_GRAD_TOL
 
 
+def _round_trip(x, dtype):
+    """q/k/v in `dtype`; the fp32 reference sees the same rounded values."""
+    return dict(x, **{n: x[n].astype(dtype) for n in ("q", "k", "v")})
+
+
 def _round_trip_bf16(x):
-    """bf16 q/k/v; the fp32 reference sees the same rounded values."""
-    return dict(x, **{n: x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")})
+    return _round_trip(x, jnp.bfloat16)
 
 
 GPU_CASES = [
@@ -516,6 +530,17 @@ def test_gpu_bf16_matches_scan(op, T, decay, packed, init, heads, dims):
                     beta_max=2.0, packed=packed, with_initial_state=init)
     x["scale"] = dims[0] ** -0.5
     _check(_round_trip_bf16(x), op, BF16_OUT_TOL, _bf16_grad_tol)
+
+
+@gpu_only
+@pytest.mark.parametrize("op,T,decay,packed,init,heads,dims", GPU_CASES)
+def test_gpu_fp16_matches_scan(op, T, decay, packed, init, heads, dims):
+    """float16 inputs at the bf16 bounds (fp16 keeps 3 more mantissa bits); once it passes on a GPU, float16 can
+    join `pallas_gpu.DTYPES`."""
+    x = rule_inputs(fresh_key(), B=2, T=T, H=heads[0], Hv=heads[1], K=dims[0], V=dims[1], decay=decay,
+                    beta_max=2.0, packed=packed, with_initial_state=init)
+    x["scale"] = dims[0] ** -0.5
+    _check(_round_trip(x, jnp.float16), op, BF16_OUT_TOL, _bf16_grad_tol)
 
 
 @gpu_only

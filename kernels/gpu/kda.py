@@ -248,48 +248,29 @@ def _reference_split(geo, g, glo, j):
     return to_ref, from_ref
 
 
-def _partner_decays(geo, g, glo, r, partner_gates=None):
-    """(after, before) for every token t and its partner p = base_t + r, exact per channel:
-
-    after_t = exp(G_t - G_p) where p < t, before_t = exp(G_p - G_t) where p > t, 0 elsewhere. p = t is left out:
-    its decay is the constant 1, which callers use without exp so that it never enters dG. `partner_gates`: the
-    partner rows (G_p hi, lo) when the caller has them, else gathered by `_partner`.
-    """
-    g_p, glo_p = partner_gates or (_partner(geo, g, r), _partner(geo, glo, r))
-    diff = (g - g_p) + (glo - glo_p)  # G_t - G_p
-    return _masked_exp(geo.offset > r, diff), _masked_exp(geo.offset < r, -diff)
-
-
 def _spread_partner_rows(x):
     """(C / SUB, D) rows, one per sub-chunk, -> (C, D): each row repeated over its sub-chunk."""
     n, D = x.shape
     return jnp.broadcast_to(x.reshape(n, 1, D), (n, SUB, D)).reshape(n * SUB, D)
 
 
-def _pair_matrices(geo, pairs, g, glo, mode, partner_rows=None):
-    """For each (a, b) in `pairs`: M[t, s] = sum_c a_tc b_sc D_tsc for s < t (unmasked by documents; 0 on and
-    above the diagonal). `partner_rows(r)`, when given, returns (G_p hi, G_p lo, [b_p of each pair]) at offset r
-    of every sub-chunk, C x D each, read from the refs (`Config.partner_rows="loaded"`) instead of gathered from
-    the tiles by `_partner`'s masked sums."""
+def _pair_matrices(geo, lefts, b, g, glo, mode, partner_rows):
+    """For each a in `lefts`: M[t, s] = sum_c a_tc b_sc D_tsc for s < t (unmasked by documents; 0 on and above
+    the diagonal). `partner_rows(r)` gives (G hi, G lo, b) at row base_t + r for every row t (C x D each); the
+    pair (t, base_t + r) decays by exp(G_t - G_p) where p < t, masked before exp; p = t is left out (its decay
+    is the constant 1, which callers add without exp so that it never enters dG)."""
     C = g.shape[0]
-    out = [jnp.zeros((C, C), F32) for _ in pairs]
+    out = [jnp.zeros((C, C), F32) for _ in lefts]
     for j in range(C // SUB - 1):
         to_ref, from_ref = _reference_split(geo, g, glo, j)
-        out = [m + _dot(a * to_ref, b * from_ref, tb=True, mode=mode) for m, (a, b) in zip(out, pairs)]
+        b_from = b * from_ref
+        out = [m + _dot(a * to_ref, b_from, tb=True, mode=mode) for m, a in zip(out, lefts)]
 
     def diagonal(r, out):
-        if partner_rows is None:
-            partner_gates, partner_bs = None, [_partner(geo, b, r) for _, b in pairs]
-        else:
-            g_p, glo_p, partner_bs = partner_rows(r)
-            partner_gates = (g_p, glo_p)
-        after, _ = _partner_decays(geo, g, glo, r, partner_gates)
+        g_p, glo_p, b_p = partner_rows(r)
+        after = _masked_exp(geo.offset > r, (g - g_p) + (glo - glo_p))  # exp(G_t - G_p)
         column = geo.lanes == geo.base + r  # entry [t, base_t + r]; rows with p >= t get 0 from `after`
-        new = []
-        for m, (a, _), b_p in zip(out, pairs, partner_bs):
-            entry = jnp.sum(a * b_p * after, axis=1)
-            new.append(jnp.where(column, entry[:, None], m))
-        return tuple(new)
+        return tuple(jnp.where(column, jnp.sum(a * b_p * after, axis=1)[:, None], m) for m, a in zip(out, lefts))
 
     return list(lax.fori_loop(0, SUB, diagonal, tuple(out)))
 
@@ -498,15 +479,16 @@ def _prepare_partner_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_r
         cols = pl.ds(pl.multiple_of(j * BK, BK), BK)
         q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)
 
-        def partner_rows(r):
-            """Row r of every sub-chunk: one strided load per ref, no reduction across rows."""
-            rows = pl.ds(r, C // SUB, stride=SUB)
-            k_p = _spread_partner_rows(k_ref[rows, cols].astype(F32))
-            return (_spread_partner_rows(g_ref[rows, cols]), _spread_partner_rows(glo_ref[rows, cols]),
-                    [k_p, k_p])
+        g, glo = g_ref[:, cols], glo_ref[:, cols]
 
-        p, r = _pair_matrices(geo, ((q, k), (k, k)), g_ref[:, cols], glo_ref[:, cols], cfg.dots,
-                              partner_rows if cfg.partner_rows == "loaded" else None)
+        def partner_rows(r):
+            """Row r of every sub-chunk of G hi, G lo and k (`Config.partner_rows`)."""
+            if cfg.partner_rows == "loaded":  # one strided load per ref, no reduction across rows
+                rows = pl.ds(r, C // SUB, stride=SUB)
+                return tuple(_spread_partner_rows(ref[rows, cols].astype(F32)) for ref in (g_ref, glo_ref, k_ref))
+            return tuple(_partner(geo, x, r) for x in (g, glo, k))
+
+        p, r = _pair_matrices(geo, (q, k), k, g, glo, cfg.dots, partner_rows)
         # P_tt = q_t . k_t, decay exactly 1.
         p = p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
         return acc[0] + p, acc[1] + r

@@ -1,8 +1,8 @@
 """Pallas Triton kernels for the chunkwise WY form, registered with the rules' dispatch as "pallas".
 
 `supports` is fail-closed: it accepts a call only on the GPU backend, for the delta rule and linear attention with
-no decay or one log-decay per token and value head (KDA's per-channel decay is declined), bfloat16 or float32
-inputs (both verified on the H100 against the fp32 scan, 2026-11-23; float16 lowers for CUDA but was not run),
+no decay or one log-decay per token and value head (KDA's per-channel decay is declined), bfloat16, float16 or
+float32 inputs (each verified on the H100 against the fp32 scan: bf16 and fp32 2026-11-23, fp16 2026-11-25),
 K and V in `HEAD_DIMS`, chunk size 64 and at most `MAX_BATCH_HEADS` batch x value-head pairs (one CUDA
 grid axis). Everything else (beta in [0, 2], Hv a multiple of H, initial state, segment ids, any T) is handled.
 
@@ -31,8 +31,7 @@ from deltajax.rules import dispatch
 NAME = "pallas"
 PRIORITY = 10
 MOSAIC_NAME = "mosaic"
-DTYPES = ("bfloat16", "float32")
-LOWERED_DTYPES = ("float32", "bfloat16", "float16")  # compile for CUDA; see the docstring for what was verified
+DTYPES = ("bfloat16", "float16", "float32")
 HEAD_DIMS = (64, 128, 256)
 CHUNK_SIZES = (64,)
 MAX_BATCH_HEADS = 65535

@@ -295,8 +295,7 @@ def test_bf16_default_config_in_interpreter():
 
 def test_fp16_default_config_in_interpreter():
     """float16 inputs (the "split" dots everywhere, fp16 outputs) at the 16-bit bounds, on the same rounded
-    inputs. The dispatch does not send float16 to these kernels yet (`pallas_gpu.DTYPES`): that waits for
-    `test_gpu_fp16_matches_scan` to run on a GPU."""
+    inputs; `test_gpu_fp16_matches_scan` is the same check on a GPU."""
     x = rule_inputs(fresh_key(), B=1, T=130, H=1, Hv=2, K=32, V=32, beta_max=2.0, packed=True,
                     with_initial_state=True)
     x["scale"] = 32 ** -0.5
@@ -402,8 +401,9 @@ def test_supports_fails_closed():
     assert pallas_gpu.supports(call)
     assert pallas_gpu.supports(call._replace(op="linear_attention", decay="none", has_segment_ids=False))
     assert pallas_gpu.supports(call._replace(dtype="float32"))
+    assert pallas_gpu.supports(call._replace(dtype="float16"))
     for change in (dict(platform="cpu"), dict(platform="tpu"), dict(decay="channel"), dict(key_dim=96),
-                   dict(value_dim=32), dict(dtype="float64"), dict(dtype="float16"), dict(chunk_size=32),
+                   dict(value_dim=32), dict(dtype="float64"), dict(chunk_size=32),
                    dict(value_heads=3), dict(batch=1 << 14)):
         assert not pallas_gpu.supports(call._replace(**change)), change
     assert dispatch.implementations("delta_rule")["pallas"].fn is pallas_gpu.chunked_delta_rule
@@ -447,7 +447,7 @@ def test_inverse_lowers_for_cuda(method):
     gate = jax.ShapeDtypeStruct((B, T, Hv), jnp.float32)
     gates = jax.ShapeDtypeStruct((2, B, T, Hv), jnp.float32)  # G as [hi, lo]
     doc = jax.ShapeDtypeStruct((B, T), jnp.int32)
-    for K, dtype, segmented in itertools.product(pallas_gpu.HEAD_DIMS, pallas_gpu.LOWERED_DTYPES, (False, True)):
+    for K, dtype, segmented in itertools.product(pallas_gpu.HEAD_DIMS, pallas_gpu.DTYPES, (False, True)):
         k = jax.ShapeDtypeStruct((B, T, H, K), jnp.dtype(dtype))
         v = jax.ShapeDtypeStruct((B, T, Hv, K), jnp.dtype(dtype))
         cfg = default_config(k, v, scale=1.0, chunk_size=64, delta=True, segmented=segmented, interpret=False)
@@ -469,7 +469,7 @@ def _kernel_count(op, grad_method, output_method="fused"):
 
 @pytest.mark.parametrize("op", dispatch.OPS)
 def test_lowers_for_cuda_every_supported_config(op):
-    for K, V, dtype in itertools.product(pallas_gpu.HEAD_DIMS, pallas_gpu.HEAD_DIMS, pallas_gpu.LOWERED_DTYPES):
+    for K, V, dtype in itertools.product(pallas_gpu.HEAD_DIMS, pallas_gpu.HEAD_DIMS, pallas_gpu.DTYPES):
         kernels = _kernel_count(op, wy_chunk.default_grad_method(K), wy_chunk.default_output_method(4, K, V))
         assert _lower_for_cuda(op, K, V, jnp.dtype(dtype)) == kernels, (K, V, dtype)
     kernels = _kernel_count(op, wy_chunk.default_grad_method(128), wy_chunk.default_output_method(4, 128, 128))
@@ -535,8 +535,8 @@ def test_gpu_bf16_matches_scan(op, T, decay, packed, init, heads, dims):
 @gpu_only
 @pytest.mark.parametrize("op,T,decay,packed,init,heads,dims", GPU_CASES)
 def test_gpu_fp16_matches_scan(op, T, decay, packed, init, heads, dims):
-    """float16 inputs at the bf16 bounds (fp16 keeps 3 more mantissa bits); once it passes on a GPU, float16 can
-    join `pallas_gpu.DTYPES`."""
+    """float16 inputs at the bf16 bounds (fp16 keeps 3 more mantissa bits); it passed on the H100 (2026-11-25)
+    before float16 joined `pallas_gpu.DTYPES`."""
     x = rule_inputs(fresh_key(), B=2, T=T, H=heads[0], Hv=heads[1], K=dims[0], V=dims[1], decay=decay,
                     beta_max=2.0, packed=packed, with_initial_state=init)
     x["scale"] = dims[0] ** -0.5

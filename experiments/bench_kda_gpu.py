@@ -50,6 +50,9 @@ VARIANTS = {
     # The partner loop of prepare gathering each sub-chunk's partner row by a masked sum (the default loads it).
     "partner_gathered": dict(partner_rows="gathered"),
     "partner_loaded": dict(partner_rows="loaded"),
+    "all_split": dict(state_dots="split", grad_k_dots="split"),  # no plain-bf16 products (the default before 11-25)
+    "picks_loaded": dict(pair_picks="loaded"),
+    "picks_reduced": dict(pair_picks="reduced"),
     "bv16": dict(block_v=16),
     "bv32": dict(block_v=32),
     "warps2": dict(warps=2),
@@ -170,9 +173,9 @@ def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
     log('rev' + ' ran')
     grads_v = jax.jit(lambda *a: kda._grads_v(cfg, *a))
     gargs = (src, q, k, v, beta, g, glo, doc, ones, ones, t, p, r, starts, dends, o)
-    dv, dq, dk, dg, de, dbeta, dp, dm = grads_v(*gargs)
+    dv, dq, dk, dg, de, dbeta, squares = grads_v(*gargs)
     grads_pairs = jax.jit(lambda *a: kda._grads_pairs(cfg, *a))
-    pargs = (q, k, g, glo, beta, dp, dm, dq, dk, dg)
+    pargs = (q, k, g, glo, beta, squares, dq, dk, dg)
     return [median_ms(cum, log_decay, iters=it),
             median_ms(prep, q, k, g, glo, beta, iters=it),
             median_ms(source, q, k, g, glo, iters=it) if cfg.operands == "stored" else 0.0,

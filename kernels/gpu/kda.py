@@ -125,6 +125,16 @@ OPERAND_METHODS = ("inline", "stored")
 # (0.74-0.92 ms at 8x2048x16x128 bf16 on the H100, 2026-11-25, for 134 MB in and 268 MB out); "kernel":
 # `_cumulative_kernel`, one pass over the rows of each chunk with an exact TwoSum per addition.
 CUMSUM_METHODS = ("xla", "kernel")
+# The products that tolerate plain bf16 operands for bf16 inputs (`Config.state_dots`, `Config.grad_k_dots`): the
+# products of a chunk operand with a chunk state or state cotangent, and those of dO and dx with S_0. Measured in
+# the interpreter on the adversarial families (docs/kernels.md, "KDA: bf16 products"): u dS_end^T and the dR
+# products, tolerant in the scalar-decay kernels, took d(log_decay) over its bound with correlated keys (one
+# gradient per channel here, not a sum over channels), so they stay "split" with T, P, E (.) K^T u, dO u^T, dx u^T.
+TOLERANT_DOT_MODES = ("highest", "split", "bf16")
+# How each step c of the pair gradient kernel's diagonal loop gets column c and row c of the 16 x 16 diagonal blocks
+# of dP and dR: "reduced" from the blocks it holds (a masked sum across the block, four per step); "loaded" by ref
+# loads of a column of dP, dM and of their transposes, which the V gradient kernel writes as well.
+PAIR_PICKS = ("reduced", "loaded")
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
 
 __all__ = ["CHUNK_SIZES", "CUMSUM_METHODS", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM",
@@ -162,6 +172,9 @@ class Config:
     grid_order: str = "chunks"  # launch order of the chunk-parallel kernels (`common.GRID_ORDERS`)
     cumsum: str = "xla"  # CUMSUM_METHODS
     partner_rows: str = "loaded"  # PARTNER_ROWS: how prepare's partner loop gets the partner tokens' rows
+    state_dots: str = "split"  # (A.K) S_0, (A.Q) S_0, (E.K) dS, (A.Q)^T dO (TOLERANT_DOT_MODES)
+    grad_k_dots: str = "split"  # the V gradient kernel's dO S_0^T and dx S_0^T (TOLERANT_DOT_MODES)
+    pair_picks: str = "reduced"  # PAIR_PICKS: how the pair kernel's diagonal loop gets dP and dR entries
 
 
 def _masked_exp(mask, x):
@@ -533,10 +546,15 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
         raise ValueError(f"config.prepare must be one of {PREPARE_METHODS}, got {cfg.prepare!r}")
     if cfg.dots not in DOT_MODES:
         raise ValueError(f"config.dots must be one of {DOT_MODES}, got {cfg.dots!r}")
+    for name in ("state_dots", "grad_k_dots"):
+        if getattr(cfg, name) not in TOLERANT_DOT_MODES:
+            raise ValueError(f"config.{name} must be one of {TOLERANT_DOT_MODES}, got {getattr(cfg, name)!r}")
     if cfg.forward not in FORWARD_METHODS:
         raise ValueError(f"config.forward must be one of {FORWARD_METHODS}, got {cfg.forward!r}")
     if cfg.operands not in OPERAND_METHODS:
         raise ValueError(f"config.operands must be one of {OPERAND_METHODS}, got {cfg.operands!r}")
+    if cfg.pair_picks not in PAIR_PICKS:
+        raise ValueError(f"config.pair_picks must be one of {PAIR_PICKS}, got {cfg.pair_picks!r}")
     if cfg.partner_rows not in PARTNER_ROWS:
         raise ValueError(f"config.partner_rows must be one of {PARTNER_ROWS}, got {cfg.partner_rows!r}")
     B, Tp, _, K = q.shape
@@ -629,6 +647,8 @@ def _odot(x, b, *, ta=False, mode):
     """`_dot(x, b)` for a chunk operand given as fp32 or as its stored bf16 pair: the same bf16 products."""
     if not isinstance(x, tuple):
         return _dot(x, b, ta=ta, mode=mode)
+    if mode == "bf16":  # hi is x rounded to bf16
+        return _dot(x[0], b.astype(BF16), ta=ta)
     if b.dtype == F32:
         return _split_pair_dot(x, b, ta=ta)
     return _dot(x[0], b, ta=ta) + _dot(x[1], b, ta=ta)
@@ -682,10 +702,10 @@ def _stored_operands(cfg, q, k, g, glo, carry, tail):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _pseudo_values(ak, v, t, beta, s, mode):
+def _pseudo_values(cfg, ak, v, t, beta, s):
     """(4): u = T diag(beta) (V - (A (.) K) S_0), the values the chunk writes into the state (fp32, C x BV)."""
-    y = v.astype(F32) - _odot(ak, s, mode=mode)
-    return _dot(t, beta[:, None] * y, mode=mode)
+    y = v.astype(F32) - _odot(ak, s, mode=cfg.state_dots)
+    return _dot(t, beta[:, None] * y, mode=cfg.dots)
 
 
 def _chunk_rows(cfg, i, K):
@@ -708,8 +728,8 @@ def _forward_kernel(*refs, cfg: Config, nt: int):
         if states_ref:
             states_ref[0][per_chunk, :] = s
         ops = _load_operands(cfg, geo, src, rows, per_chunk)
-        u = _pseudo_values(ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s, mode)
-        o = cfg.scale * (_odot(ops.qa, s, mode=mode) + _dot(p_ref[rows, :], u, mode=mode))
+        u = _pseudo_values(cfg, ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s)
+        o = cfg.scale * (_odot(ops.qa, s, mode=cfg.state_dots) + _dot(p_ref[rows, :], u, mode=mode))
         o_ref[rows, :] = o.astype(o_ref.dtype)
         return ops.gamma[:, None] * s + _odot(ops.ke, u, ta=True, mode=mode)
 
@@ -729,7 +749,7 @@ def _state_kernel(*refs, cfg: Config, nt: int):
         rows, per_chunk = _chunk_rows(cfg, i, K)
         states_ref[per_chunk, :] = s
         ops = _load_operands(cfg, geo, src, rows, per_chunk, with_q=False)
-        u = _pseudo_values(ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s, mode)
+        u = _pseudo_values(cfg, ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s)
         return ops.gamma[:, None] * s + _odot(ops.ke, u, ta=True, mode=mode)
 
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
@@ -744,8 +764,8 @@ def _output_kernel(*refs, cfg: Config):
     mode = cfg.dots
     s = s_ref[...]
     ops = _load_operands(cfg, _geometry(cfg.chunk_size), src, slice(None), slice(None))
-    u = _pseudo_values(ops.ak, v_ref[...], t_ref[...], beta_ref[...], s, mode)
-    o = cfg.scale * (_odot(ops.qa, s, mode=mode) + _dot(p_ref[...], u, mode=mode))
+    u = _pseudo_values(cfg, ops.ak, v_ref[...], t_ref[...], beta_ref[...], s)
+    o = cfg.scale * (_odot(ops.qa, s, mode=cfg.state_dots) + _dot(p_ref[...], u, mode=mode))
     o_ref[...] = o.astype(o_ref.dtype)
 
 
@@ -839,9 +859,9 @@ def _reverse_kernel(*refs, cfg: Config, nt: int):
         ops = _load_operands(cfg, geo, src, rows, per_chunk)
         do = do_ref[rows, :]
         # Through (5) and (6): du = scale P^T dO + (E (.) K) dS_1; through (4): d(beta y) = T^T du.
-        du = cfg.scale * _dot(p_ref[rows, :], do, ta=True, mode=mode) + _odot(ops.ke, ds, mode=mode)
+        du = cfg.scale * _dot(p_ref[rows, :], do, ta=True, mode=mode) + _odot(ops.ke, ds, mode=cfg.state_dots)
         dx = _dot(t_ref[rows, :], du, ta=True, mode=mode)
-        return (ops.gamma[:, None] * ds + cfg.scale * _odot(ops.qa, do, ta=True, mode=mode)
+        return (ops.gamma[:, None] * ds + cfg.scale * _odot(ops.qa, do, ta=True, mode=cfg.state_dots)
                 - _odot(ops.ak, beta_ref[rows][:, None] * dx, ta=True, mode=mode))
 
     dh0_ref[...] = lax.fori_loop(0, nt, chunk, dfinal_ref[...])
@@ -879,7 +899,7 @@ def _grad_v_kernel(*refs, cfg: Config):
     n = _n_source(cfg) if cfg.operands == "stored" else 0
     src = refs[:n]
     (q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, doc_ref, carry_ref, tail_ref, t_ref, p_ref, r_ref, s0_ref,
-     dend_ref, do_ref, dv_ref, dq_ref, dk_ref, dg_ref, de_ref, dbeta_ref, dp_ref, dm_ref) = refs[n:]
+     dend_ref, do_ref, dv_ref, dq_ref, dk_ref, dg_ref, de_ref, dbeta_ref, dp_ref, dm_ref, *transposed_refs) = refs[n:]
     C, mode = cfg.chunk_size, cfg.dots
     K, V = k_ref.shape[-1], v_ref.shape[-1]
     BV = min(cfg.grad_block_v, V)
@@ -900,13 +920,14 @@ def _grad_v_kernel(*refs, cfg: Config):
             ka, ke = ops.ak, ops.ke
         else:
             ka, ke = inline
-        y = v_ref[:, cols].astype(F32) - _odot(ka, s0, mode=mode)
+        y = v_ref[:, cols].astype(F32) - _odot(ka, s0, mode=cfg.state_dots)
         u = _dot(t, beta[:, None] * y, mode=mode)
-        du = cfg.scale * _dot(p_ref[...], do, ta=True, mode=mode) + _odot(ke, dend, mode=mode)
+        du = cfg.scale * _dot(p_ref[...], do, ta=True, mode=mode) + _odot(ke, dend, mode=cfg.state_dots)
         dx = _dot(t, du, ta=True, mode=mode)  # dL/d(beta y)
         dv_ref[:, cols] = (beta[:, None] * dx).astype(dv_ref.dtype)
-        dqa = dqa + _dot(do, s0, tb=True, mode=mode)  # / scale
-        dka = dka - _dot(beta[:, None] * dx, s0, tb=True, mode=mode)
+        late = cfg.grad_k_dots
+        dqa = dqa + _dot(do, s0, tb=True, mode=late)  # / scale
+        dka = dka - _dot(beta[:, None] * dx, s0, tb=True, mode=late)
         dke = dke + _dot(u, dend, tb=True, mode=mode)
         dp = dp + _dot(do, u, tb=True, mode=mode)  # / scale
         dm = dm - _dot(dx, u, tb=True, mode=mode)  # dL/d(diag(beta) R) = -T^T du u^T
@@ -924,9 +945,12 @@ def _grad_v_kernel(*refs, cfg: Config):
 
     incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
     dqa = cfg.scale * dqa
-    dp_ref[...] = jnp.where(incl, cfg.scale * dp, 0.0)
+    dp = jnp.where(incl, cfg.scale * dp, 0.0)
+    dp_ref[...] = dp
     dm = jnp.where(strict, dm, 0.0)
     dm_ref[...] = dm
+    for ref, x in zip(transposed_refs, (dp, dm)):  # `Config.pair_picks="loaded"`
+        ref[...] = x.T
     dbeta_ref[...] = dbeta + jnp.sum(dm * r_ref[...], axis=1)  # through R's factor diag(beta)
     dq_ref[...] = a * dqa
     dk_ref[...] = e * dke + a * dka
@@ -938,8 +962,7 @@ def _grad_v_kernel(*refs, cfg: Config):
     de_ref[...] = k * dke * e
 
 
-def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dq_in_ref, dk_in_ref, dg_in_ref,
-                      dq_ref, dk_ref, dg_ref, *, cfg: Config):
+def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, *refs, cfg: Config):
     """The pair terms of one chunk and BK channels (every output is per channel) in 16 x 16 blocks, added to the
     V kernel's partials:
 
@@ -949,6 +972,8 @@ def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dq
     (decay 1, only in dP) feed dq and dk but not dG (sending +x and -x through two roundings would leave O(eps x)
     in dG, which swamps d(log_decay) ~ exp(-20) when gates are -20).
     """
+    *squares, dq_in_ref, dk_in_ref, dg_in_ref, dq_ref, dk_ref, dg_ref = refs
+    dp_ref, dm_ref, *transposed = squares  # dP^T, dM^T with `Config.pair_picks="loaded"`
     C, mode = cfg.chunk_size, cfg.dots
     K = q_ref.shape[-1]
     nb = C // SUB
@@ -965,17 +990,28 @@ def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dq
         dp_ii, dm_ii = block(dp_ref, i, i), block(dm_ref, i, i)
         dr_ii = beta_i * dm_ii
 
-        def column(c, acc, i=i, gates_i=gates_i, dp_ii=dp_ii, dr_ii=dr_ii):
+        def picks(c, i=i, beta_i=beta_i, dp_ii=dp_ii, dr_ii=dr_ii):
+            """(dP[:, c], dR[:, c], dP[c, :], dR[c, :]) of the diagonal block i, each as a (SUB, 1) column."""
+            if transposed:
+                column = pl.ds(i * SUB + c, 1)
+                beta_c = beta_ref[pl.ds(i * SUB + c, 1)][None, :]
+                dpt_ref, dmt_ref = transposed
+                return (dp_ref[_blk(i), column], beta_i * dm_ref[_blk(i), column], dpt_ref[_blk(i), column],
+                        beta_c * dmt_ref[_blk(i), column])
+            pick = lambda m: jnp.sum(jnp.where(cols == c, m, 0.0), axis=1)[:, None]  # m[:, c]
+            pick_t = lambda m: jnp.sum(jnp.where(rows == c, m, 0.0), axis=0)[:, None]  # m[c, :] as a column
+            return pick(dp_ii), pick(dr_ii), pick_t(dp_ii), pick_t(dr_ii)
+
+        def column(c, acc, i=i, gates_i=gates_i, picks=picks):
             left_p, left_r, right_i = acc
             row = pl.ds(i * SUB + c, 1)
             q_c, k_c = q_ref[row, :].astype(F32), k_ref[row, :].astype(F32)
             d = _partner_exponent(g_ref, glo_ref, gates_i, row)  # G_t - G_c
             after, before = _masked_exp(offset > c, d), _masked_exp(offset < c, -d)
-            pick = lambda m: jnp.sum(jnp.where(cols == c, m, 0.0), axis=1)[:, None]  # m[:, c]
-            pick_t = lambda m: jnp.sum(jnp.where(rows == c, m, 0.0), axis=0)[:, None]  # m[c, :] as a column
-            left_p = left_p + pick(dp_ii) * k_c * after
-            left_r = left_r + pick(dr_ii) * k_c * after
-            right_i = right_i + (pick_t(dp_ii) * q_c + pick_t(dr_ii) * k_c) * before
+            p_col, r_col, p_row, r_row = picks(c)
+            left_p = left_p + p_col * k_c * after
+            left_r = left_r + r_col * k_c * after
+            right_i = right_i + (p_row * q_c + r_row * k_c) * before
             return left_p, left_r, right_i
 
         zeros = jnp.zeros((SUB, K), F32)
@@ -1019,7 +1055,8 @@ def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts,
     per_channel = jax.ShapeDtypeStruct((S, B, Tp, Hv, K), F32)
     square = jax.ShapeDtypeStruct((S, B, Tp, Hv, C), F32)
     src = src if cfg.operands == "stored" else ()
-    dv, dq, dk, dg, de, dbeta, dp, dm = _chunk_parallel_call(
+    n_square = 4 if cfg.pair_picks == "loaded" else 2
+    dv, dq, dk, dg, de, dbeta, *squares = _chunk_parallel_call(
         functools.partial(_grad_v_kernel, cfg=cfg),
         grid=(S, Tp // C, B * Hv),
         grid_order=cfg.grid_order,
@@ -1027,18 +1064,18 @@ def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts,
             lift(sp["key"]), lift(sp["key"]), value, lift(sp["gate"]), lift(sp["channel"]), lift(sp["channel"]),
             lift(sp["seq"]), lift(sp["seq"]), lift(sp["seq"]), lift(sp["square"]), lift(sp["square"]),
             lift(sp["square"]), state, state, value],
-        out_specs=[value, share(K), share(K), share(K), share(K), gate_share, share(C), share(C)],
+        out_specs=[value, share(K), share(K), share(K), share(K), gate_share] + [share(C)] * n_square,
         out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), per_channel, per_channel, per_channel,
-                   per_channel, jax.ShapeDtypeStruct((S, B, Tp, Hv), F32), square, square],
+                   per_channel, jax.ShapeDtypeStruct((S, B, Tp, Hv), F32)] + [square] * n_square,
         compiler_params=_params(cfg.grad_warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_grads_v",
     )(*src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do)
     total = lambda x: x[0] if S == 1 else jnp.sum(x, axis=0)
-    return (dv,) + tuple(total(x) for x in (dq, dk, dg, de, dbeta, dp, dm))
+    return (dv,) + tuple(total(x) for x in (dq, dk, dg, de, dbeta)) + (tuple(total(x) for x in squares),)
 
 
-def _grads_pairs(cfg, q, k, g, glo, beta, dp, dm, dq, dk, dg):
+def _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg):
     """`_grad_pair_kernel`, grid (K/BK, chunks, B*Hv): dq, dk, dG with the pair terms added."""
     B, Tp, _, K = q.shape
     Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
@@ -1051,19 +1088,19 @@ def _grads_pairs(cfg, q, k, g, glo, beta, dp, dm, dq, dk, dg):
         functools.partial(_grad_pair_kernel, cfg=cfg),
         grid=(K // BK, Tp // C, B * Hv),
         grid_order=cfg.grid_order,
-        in_specs=[key, key, channel, channel, gate, square, square, channel, channel, channel],
+        in_specs=[key, key, channel, channel, gate] + [square] * len(squares) + [channel, channel, channel],
         out_specs=[channel] * 3,
         out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, K), F32)] * 3,
         compiler_params=_params(cfg.pair_warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_grads_pairs",
-    )(q, k, g, glo, beta, dp, dm, dq, dk, dg)
+    )(q, k, g, glo, beta, *squares, dq, dk, dg)
 
 
 def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do):
-    dv, dq, dk, dg, de, dbeta, dp, dm = _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts,
-                                                 dends, do)
-    dq, dk, dg = _grads_pairs(cfg, q, k, g, glo, beta, dp, dm, dq, dk, dg)
+    dv, dq, dk, dg, de, dbeta, squares = _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r,
+                                                  starts, dends, do)
+    dq, dk, dg = _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg)
     return dq, dk, dv, dbeta, dg, de
 
 
@@ -1178,7 +1215,8 @@ GRAD_BLOCK_V = 32
 
 
 def default_config(q, v, *, scale, chunk_size, segmented, interpret):
-    """fp32 inputs get IEEE fp32 products everywhere; 16-bit inputs the bf16x3 "split" products.
+    """fp32 inputs get IEEE fp32 products everywhere; 16-bit inputs the bf16x3 "split" products, except, for
+    bfloat16 inputs, plain bf16 operands in the products that tolerate them (`TOLERANT_DOT_MODES`).
 
     Register pressure sets the rest (H100, 8x2048x16x128 bf16, 2026-11-25, docs/kernels.md): stored operands
     (passes 3.6 -> 0.9 ms forward, 4.1 -> 1.1 ms reverse; one pipeline stage, two asked for more shared memory
@@ -1187,13 +1225,17 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
     took 0.74-0.92 ms for a memory floor near 0.16 ms."""
     V = _pow2_at_least_16(v.shape[3])
     fp32 = jnp.dtype(q.dtype) == jnp.float32
+    dots = "highest" if fp32 else "split"
+    tolerant = "bf16" if jnp.dtype(q.dtype) == jnp.bfloat16 else dots
     return Config(scale=float(scale), chunk_size=int(chunk_size), key_heads=q.shape[2], value_heads=v.shape[2],
-                  segmented=segmented, dots="highest" if fp32 else "split", inverse="rows" if fp32 else "blocks",
+                  segmented=segmented, dots=dots, inverse="rows" if fp32 else "blocks", state_dots=tolerant,
+                  grad_k_dots=tolerant,
                   prepare="partner",
                   block_v=sequential_block_v(q.shape[0] * v.shape[2], V, BLOCK_V, KDA_NARROWEST_BLOCK_V),
                   grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=4,
                   grad_warps=8, pair_warps=4, stages=2, interpret=interpret,
-                  operands="stored", pass_stages=1, block_k=32, pair_block_k=32, reverse_warps=4, cumsum="kernel")
+                  operands="stored", pass_stages=1, block_k=32, pair_block_k=32, reverse_warps=4, cumsum="kernel",
+                  pair_picks="loaded")
 
 
 def _pow2_at_least_16(n):

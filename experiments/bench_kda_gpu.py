@@ -53,6 +53,7 @@ VARIANTS = {
     "all_split": dict(state_dots="split", grad_k_dots="split"),  # no plain-bf16 products (the default before 11-25)
     "picks_loaded": dict(pair_picks="loaded"),
     "picks_reduced": dict(pair_picks="reduced"),
+    "sub_chunks_only": dict(span_limit=None),  # never one reference per chunk (kda.SPAN_LIMIT)
     "bv16": dict(block_v=16),
     "bv32": dict(block_v=32),
     "warps2": dict(warps=2),

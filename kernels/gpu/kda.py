@@ -135,6 +135,13 @@ TOLERANT_DOT_MODES = ("highest", "split", "bf16")
 # of dP and dR: "reduced" from the blocks it holds (a masked sum across the block, four per step); "loaded" by ref
 # loads of a column of dP, dM and of their transposes, which the V gradient kernel writes as well.
 PAIR_PICKS = ("reduced", "loaded")
+# A chunk whose gates span at most SPAN_LIMIT in every channel (G_0 - G_{C-1} <= SPAN_LIMIT, the in-chunk cumulative
+# log-decay of its first and last token) needs no sub-chunks: all its pairs split at one reference, the last token's
+# gate, D_ts = exp(G_t - G_end) exp(G_end - G_s), the first factor in [1, e^SPAN_LIMIT], the second in
+# [e^-SPAN_LIMIT, 1]. Every factor is finite, each product term keeps its relative precision, and the pairs s > t
+# that the masks drop stay below e^SPAN_LIMIT |q| |k| K. Chunks with a larger span (a log-decay of -20 per token
+# spans 1260) take the sub-chunk scheme, decided per program at run time (`lax.cond`).
+SPAN_LIMIT = 30.0
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
 
 __all__ = ["CHUNK_SIZES", "CUMSUM_METHODS", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM",
@@ -175,6 +182,7 @@ class Config:
     state_dots: str = "split"  # (A.K) S_0, (A.Q) S_0, (E.K) dS, (A.Q)^T dO (TOLERANT_DOT_MODES)
     grad_k_dots: str = "split"  # the V gradient kernel's dO S_0^T and dx S_0^T (TOLERANT_DOT_MODES)
     pair_picks: str = "reduced"  # PAIR_PICKS: how the pair kernel's diagonal loop gets dP and dR entries
+    span_limit: float | None = None  # chunks whose gate span is at most this take one reference (`_bounded_span`)
 
 
 def _masked_exp(mask, x):
@@ -259,6 +267,24 @@ def _reference_split(geo, g, glo, j):
     to_ref = _masked_exp(geo.block > j, (g - ref) + (glo - ref_lo))
     from_ref = _masked_exp(geo.block == j, (ref - g) + (ref_lo - glo))
     return to_ref, from_ref
+
+
+def _bounded_span(cfg, g_ref, glo_ref, cols):
+    """Whether every channel in `cols` spans at most `cfg.span_limit` over the chunk (a traced bool); None when
+    there is no limit (`lax.cond` on a constant does not lower for Triton)."""
+    if cfg.span_limit is None:
+        return None
+    first, last = pl.ds(0, 1), pl.ds(cfg.chunk_size - 1, 1)
+    span = (g_ref[first, cols] - g_ref[last, cols]) + (glo_ref[first, cols] - glo_ref[last, cols])
+    return jnp.max(span) <= cfg.span_limit
+
+
+def _end_reference_split(g_ref, glo_ref, cols):
+    """(exp(G_t - G_end), exp(G_end - G_t)) for every token t, G_end the chunk's last gate (C x BK each); see
+    SPAN_LIMIT."""
+    end = pl.ds(g_ref.shape[0] - 1, 1)
+    d = (g_ref[:, cols] - g_ref[end, cols]) + (glo_ref[:, cols] - glo_ref[end, cols])
+    return jnp.exp(d), jnp.exp(-d)
 
 
 def _spread_partner_rows(x):
@@ -501,11 +527,19 @@ def _prepare_partner_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_r
                 return tuple(_spread_partner_rows(ref[rows, cols].astype(F32)) for ref in (g_ref, glo_ref, k_ref))
             return tuple(_partner(geo, x, r) for x in (g, glo, k))
 
-        p, r = _pair_matrices(geo, (q, k), k, g, glo, cfg.dots, partner_rows)
+        def one_reference():
+            to_end, from_end = _end_reference_split(g_ref, glo_ref, cols)
+            k_from = k * from_end
+            strict = geo.lanes < geo.rows_cc
+            return tuple(jnp.where(strict, _dot(a * to_end, k_from, tb=True, mode=cfg.dots), 0.0) for a in (q, k))
+
+        sub_chunks = lambda: tuple(_pair_matrices(geo, (q, k), k, g, glo, cfg.dots, partner_rows))
+        p, r = sub_chunks() if bounded is None else lax.cond(bounded, one_reference, sub_chunks)
         # P_tt = q_t . k_t, decay exactly 1.
         p = p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
         return acc[0] + p, acc[1] + r
 
+    bounded = _bounded_span(cfg, g_ref, glo_ref, slice(None))
     zeros = jnp.zeros((C, C), F32)
     p, r = lax.fori_loop(0, K // BK, channels, (zeros, zeros))
     incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
@@ -974,6 +1008,40 @@ def _grad_pair_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, *refs, cfg: Config
     """
     *squares, dq_in_ref, dk_in_ref, dg_in_ref, dq_ref, dk_ref, dg_ref = refs
     dp_ref, dm_ref, *transposed = squares  # dP^T, dM^T with `Config.pair_picks="loaded"`
+    args = (q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, transposed, dq_in_ref, dk_in_ref, dg_in_ref,
+            dq_ref, dk_ref, dg_ref, cfg)
+    bounded = _bounded_span(cfg, g_ref, glo_ref, slice(None))
+    if bounded is None:
+        _pair_grads_sub_chunks(*args)
+    else:
+        lax.cond(bounded, lambda: _pair_grads_one_reference(*args), lambda: _pair_grads_sub_chunks(*args))
+
+
+def _pair_grads_one_reference(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, transposed, dq_in_ref,
+                              dk_in_ref, dg_in_ref, dq_ref, dk_ref, dg_ref, cfg):
+    """The pair terms of a chunk of bounded span (SPAN_LIMIT): the products of the sub-chunk scheme's blocks i > j
+    over the whole chunk, split at the last token's gate."""
+    del transposed
+    C, mode = cfg.chunk_size, cfg.dots
+    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+    to_end, from_end = _end_reference_split(g_ref, glo_ref, slice(None))
+    diagonal = _iota(C, C, 0) == _iota(C, C, 1)
+    dp = dp_ref[...]
+    dp_self = jnp.sum(jnp.where(diagonal, dp, 0.0), axis=1)[:, None]
+    dp = jnp.where(diagonal, 0.0, dp)  # the pairs s < t; s = t stays out of dG, as in the sub-chunk scheme
+    dr = beta_ref[...][:, None] * dm_ref[...]
+    k_from = k * from_end
+    left_p = to_end * _dot(dp, k_from, mode=mode)
+    left_r = to_end * _dot(dr, k_from, mode=mode)
+    right = from_end * (_dot(dp, q * to_end, ta=True, mode=mode) + _dot(dr, k * to_end, ta=True, mode=mode))
+    dq_ref[...] = dq_in_ref[...] + left_p + dp_self * k
+    dk_ref[...] = dk_in_ref[...] + left_r + dp_self * q + right
+    dg_ref[...] = dg_in_ref[...] + q * left_p + k * left_r - k * right
+
+
+def _pair_grads_sub_chunks(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, transposed, dq_in_ref,
+                           dk_in_ref, dg_in_ref, dq_ref, dk_ref, dg_ref, cfg):
+    """The pair terms of one chunk in 16 x 16 blocks (the `_grad_pair_kernel` docstring)."""
     C, mode = cfg.chunk_size, cfg.dots
     K = q_ref.shape[-1]
     nb = C // SUB
@@ -1235,7 +1303,7 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=4,
                   grad_warps=8, pair_warps=4, stages=2, interpret=interpret,
                   operands="stored", pass_stages=1, block_k=32, pair_block_k=32, reverse_warps=4, cumsum="kernel",
-                  pair_picks="loaded")
+                  pair_picks="loaded", span_limit=SPAN_LIMIT)
 
 
 def _pow2_at_least_16(n):

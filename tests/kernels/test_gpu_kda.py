@@ -216,11 +216,12 @@ def test_other_chunk_sizes(chunk_size):
                                        dict(operands="inline"), dict(operands="inline", forward="split"),
                                        dict(block_k=16, pair_block_k=64), dict(block_k=64, pair_block_k=16),
                                        dict(grad_v_splits=2, grad_block_v=16), dict(grad_v_splits=4),
-                                       dict(cumsum="xla"), dict(partner_rows="gathered"), dict(pair_picks="reduced")],
+                                       dict(cumsum="xla"), dict(partner_rows="gathered"), dict(pair_picks="reduced"),
+                                       dict(span_limit=None)],
                          ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks", "wide_v_blocks",
                               "split_forward", "split_forward_v_blocks", "inline_operands", "inline_split_forward",
                               "channel_blocks_16_64", "channel_blocks_64_16", "grad_v_splits_2", "grad_v_splits_4",
-                              "cumsum_xla", "partner_rows_gathered", "pair_picks_reduced"])
+                              "cumsum_xla", "partner_rows_gathered", "pair_picks_reduced", "sub_chunks_only"])
 def test_config_variants_fp32(overrides):
     """`Config.inverse="blocks"` (16 x 16 substitutions + block merges, the 16-bit default), the 16 x 16 block
     prepare kernel, other V blocks, inline operands and channel blocks (K = 32: two blocks of 16) meet the fp32
@@ -252,6 +253,30 @@ def test_config_variants_fp32(overrides):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, cumsum="scan")), x)
 
 
+def test_one_reference_chunks_up_to_the_span_limit():
+    """Chunks whose gates span just under `SPAN_LIMIT` take one reference (factors up to e^30), a chunk with -20
+    gates the sub-chunk scheme, in one call: fp32 bounds against the scan, and the same results as the sub-chunk
+    scheme everywhere. With no limit the -20 chunk (span > 120) takes one reference too and overflows: the switch
+    is real."""
+    x = _inputs(T=200, B=1, K=32, V=32)
+    B, T, Hv, K = x["log_decay"].shape
+    per_token = kda_module.SPAN_LIMIT / 64
+    x["log_decay"] = -per_token * jax.random.uniform(fresh_key(), (B, T, Hv, K), minval=0.9, maxval=0.99)
+    x["log_decay"] = x["log_decay"].at[:, 150:156].set(-20.0)
+    cfg = default_config(x["q"], x["v"], scale=0.3, chunk_size=64, segmented=True, interpret=not ON_GPU)
+    assert cfg.span_limit == kda_module.SPAN_LIMIT
+    results = {}
+    for name, limit in (("default", cfg.span_limit), ("sub_chunks", None)):
+        fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, span_limit=limit))
+        _check(x, FP32_OUT_TOL, _fp32_grad_tol, fn=fn, label=f"span-{name}")
+        results[name] = (_call(fn, x), _grads(fn, x))
+    for a, b in zip(jax.tree.leaves(results["default"]), jax.tree.leaves(results["sub_chunks"])):
+        assert relative_error(a, b) <= 1e-5, a.shape
+    unbounded = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, span_limit=float("inf")))
+    o, _ = _call(unbounded, x)
+    assert not np.all(np.isfinite(np.asarray(o)))
+
+
 def test_cumulative_kernel_is_the_in_chunk_cumsum_to_twice_fp32():
     """`_cumulative_kernel` (hi + lo by TwoSum down each chunk's rows) against a float64 cumsum, on gates that mix
     -20 with ~-1e-6 (the case the split exists for): G to ~1e-12, and every difference of neighbours taken part by
@@ -281,8 +306,9 @@ def test_cumulative_kernel_is_the_in_chunk_cumsum_to_twice_fp32():
     assert errors["kernel"][2] > 1e-2  # without lo
 
 
-@pytest.mark.parametrize("overrides", [dict(forward="split"), dict(partner_rows="gathered"), dict(pair_picks="reduced")],
-                         ids=["split_forward", "partner_rows_gathered", "pair_picks_reduced"])
+@pytest.mark.parametrize("overrides", [dict(forward="split"), dict(partner_rows="gathered"), dict(pair_picks="reduced"),
+                                       dict(span_limit=None)],
+                         ids=["split_forward", "partner_rows_gathered", "pair_picks_reduced", "sub_chunks_only"])
 @pytest.mark.parametrize("family", ADVERSARIAL)
 def test_config_variants_adversarial_fp32(family, overrides):
     """`Config.forward="split"` (state pass, then the output chunk-parallel from the saved start states) and the
@@ -554,6 +580,7 @@ CONFIG_VARIANTS = {
     "partner_rows_gathered": dict(partner_rows="gathered"),
     "all_split": ALL_SPLIT,
     "pair_picks_reduced": dict(pair_picks="reduced"),
+    "sub_chunks_only": dict(span_limit=None),
 }
 
 

@@ -183,6 +183,7 @@ class Config:
     grad_k_dots: str = "split"  # the V gradient kernel's dO S_0^T and dx S_0^T (TOLERANT_DOT_MODES)
     pair_picks: str = "reduced"  # PAIR_PICKS: how the pair kernel's diagonal loop gets dP and dR entries
     span_limit: float | None = None  # chunks whose gate span is at most this take one reference (`_bounded_span`)
+    grad_squares_once: bool = False  # the V gradient kernel loads (and splits) T and P once, not per V block
 
 
 def _masked_exp(mask, x):
@@ -944,20 +945,25 @@ def _grad_v_kernel(*refs, cfg: Config):
         bound = boundary()
         inline = (bound.a * k_ref[...].astype(F32), bound.e * k_ref[...].astype(F32))
 
+    # T and P as dot operands (bf16 pairs for "split" products: the values `_dot` forms from them).
+    squares = lambda: tuple(_split_bf16(x[...]) if mode == "split" else x[...] for x in (t_ref, p_ref))
+    if cfg.grad_squares_once:
+        hoisted = squares()
+
     def v_block(j, acc):
         dqa, dka, dke, dp, dm, dbeta, dgamma = acc
         cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
         s0, dend, do = s0_ref[:, cols], dend_ref[:, cols], do_ref[:, cols]
-        t = t_ref[...]
+        t, p = hoisted if cfg.grad_squares_once else squares()
         if src:
             ops = _load_operands(cfg, geo, src, slice(None), slice(None), with_q=False)
             ka, ke = ops.ak, ops.ke
         else:
             ka, ke = inline
         y = v_ref[:, cols].astype(F32) - _odot(ka, s0, mode=cfg.state_dots)
-        u = _dot(t, beta[:, None] * y, mode=mode)
-        du = cfg.scale * _dot(p_ref[...], do, ta=True, mode=mode) + _odot(ke, dend, mode=cfg.state_dots)
-        dx = _dot(t, du, ta=True, mode=mode)  # dL/d(beta y)
+        u = _odot(t, beta[:, None] * y, mode=mode)
+        du = cfg.scale * _odot(p, do, ta=True, mode=mode) + _odot(ke, dend, mode=cfg.state_dots)
+        dx = _odot(t, du, ta=True, mode=mode)  # dL/d(beta y)
         dv_ref[:, cols] = (beta[:, None] * dx).astype(dv_ref.dtype)
         late = cfg.grad_k_dots
         dqa = dqa + _dot(do, s0, tb=True, mode=late)  # / scale
@@ -1303,7 +1309,7 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=4,
                   grad_warps=8, pair_warps=4, stages=2, interpret=interpret,
                   operands="stored", pass_stages=1, block_k=32, pair_block_k=32, reverse_warps=4, cumsum="kernel",
-                  pair_picks="loaded", span_limit=SPAN_LIMIT)
+                  pair_picks="loaded", span_limit=SPAN_LIMIT, grad_squares_once=True)
 
 
 def _pow2_at_least_16(n):

@@ -217,11 +217,12 @@ def test_other_chunk_sizes(chunk_size):
                                        dict(block_k=16, pair_block_k=64), dict(block_k=64, pair_block_k=16),
                                        dict(grad_v_splits=2, grad_block_v=16), dict(grad_v_splits=4),
                                        dict(cumsum="xla"), dict(partner_rows="gathered"), dict(pair_picks="reduced"),
-                                       dict(span_limit=None)],
+                                       dict(span_limit=None), dict(grad_squares_once=False)],
                          ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks", "wide_v_blocks",
                               "split_forward", "split_forward_v_blocks", "inline_operands", "inline_split_forward",
                               "channel_blocks_16_64", "channel_blocks_64_16", "grad_v_splits_2", "grad_v_splits_4",
-                              "cumsum_xla", "partner_rows_gathered", "pair_picks_reduced", "sub_chunks_only"])
+                              "cumsum_xla", "partner_rows_gathered", "pair_picks_reduced", "sub_chunks_only",
+                              "squares_per_v_block"])
 def test_config_variants_fp32(overrides):
     """`Config.inverse="blocks"` (16 x 16 substitutions + block merges, the 16-bit default), the 16 x 16 block
     prepare kernel, other V blocks, inline operands and channel blocks (K = 32: two blocks of 16) meet the fp32
@@ -581,6 +582,7 @@ CONFIG_VARIANTS = {
     "all_split": ALL_SPLIT,
     "pair_picks_reduced": dict(pair_picks="reduced"),
     "sub_chunks_only": dict(span_limit=None),
+    "squares_per_v_block": dict(grad_squares_once=False),
 }
 
 

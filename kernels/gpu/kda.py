@@ -28,6 +28,10 @@ exp(-G_s) within five tokens):
     token with the token at offset r of its own sub-chunk (its "partner", read by one strided load of rows r,
     r + 16, ...) and fills one column per sub-chunk.
 
+A chunk whose gates span little (G_0 - G_{C-1} <= `SPAN_LIMIT` in every channel, the usual case in training) skips
+the sub-chunks: every pair splits at the last token's gate, one C x K x C product per matrix (see SPAN_LIMIT). Each
+program checks its own chunk and takes one path or the other (`lax.cond`), in prepare and in the pair gradients.
+
 G is a compensated cumsum (hi + lo, as `deltajax.rules.chunk.CumulativeLogDecay`; formed by `_cumulative_kernel`
 with an exact TwoSum per row): differences subtract the large parts first, so pairs that decay by ~1 after a -20
 gate keep full fp32 accuracy.
@@ -63,7 +67,9 @@ forward for E, whose gates are those after s).
 Precision (`Config.dots`, products with an fp32 operand): "highest" (IEEE fp32; fp32 inputs) or "split" (16-bit
 inputs): each fp32 operand x is written as hi + lo with hi = bf16(x), lo = bf16(x - hi), and the product is summed
 from bf16 tensor-core dots hi*hi + hi*lo + lo*hi (~2^-16 relative per product; TF32 would give ~2^-11, which the
-inverse can amplify for correlated keys). The inverse's own substitution and merges are always IEEE fp32.
+inverse can amplify for correlated keys). For bfloat16 inputs the products with a chunk state or state cotangent,
+and dO S_0^T, dx S_0^T, take plain bf16 operands (`Config.state_dots`, `Config.grad_k_dots`, TOLERANT_DOT_MODES).
+The inverse's own substitution and merges are always IEEE fp32.
 """
 
 from __future__ import annotations

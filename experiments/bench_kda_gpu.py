@@ -51,11 +51,7 @@ VARIANTS = {
     "partner_gathered": dict(partner_rows="gathered"),
     "partner_loaded": dict(partner_rows="loaded"),
     "all_split": dict(state_dots="split", grad_k_dots="split"),  # no plain-bf16 products (the default before 11-25)
-    "picks_loaded": dict(pair_picks="loaded"),
-    "picks_reduced": dict(pair_picks="reduced"),
     "sub_chunks_only": dict(span_limit=None),  # never one reference per chunk (kda.SPAN_LIMIT)
-    "squares_per_v_block": dict(grad_squares_once=False),
-    "squares_per_v_block_bv64": dict(grad_squares_once=False, grad_block_v=64),
     "bv16": dict(block_v=16),
     "bv32": dict(block_v=32),
     "warps2": dict(warps=2),

@@ -216,13 +216,11 @@ def test_other_chunk_sizes(chunk_size):
                                        dict(operands="inline"), dict(operands="inline", forward="split"),
                                        dict(block_k=16, pair_block_k=64), dict(block_k=64, pair_block_k=16),
                                        dict(grad_v_splits=2, grad_block_v=16), dict(grad_v_splits=4),
-                                       dict(cumsum="xla"), dict(partner_rows="gathered"), dict(pair_picks="reduced"),
-                                       dict(span_limit=None), dict(grad_squares_once=False)],
+                                       dict(cumsum="xla"), dict(partner_rows="gathered"), dict(span_limit=None)],
                          ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks", "wide_v_blocks",
                               "split_forward", "split_forward_v_blocks", "inline_operands", "inline_split_forward",
                               "channel_blocks_16_64", "channel_blocks_64_16", "grad_v_splits_2", "grad_v_splits_4",
-                              "cumsum_xla", "partner_rows_gathered", "pair_picks_reduced", "sub_chunks_only",
-                              "squares_per_v_block"])
+                              "cumsum_xla", "partner_rows_gathered", "sub_chunks_only"])
 def test_config_variants_fp32(overrides):
     """`Config.inverse="blocks"` (16 x 16 substitutions + block merges, the 16-bit default), the 16 x 16 block
     prepare kernel, other V blocks, inline operands and channel blocks (K = 32: two blocks of 16) meet the fp32
@@ -246,8 +244,6 @@ def test_config_variants_fp32(overrides):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, block_k=24)), x)
     with pytest.raises(ValueError, match="grad_v_splits"):
         _grads(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, grad_v_splits=8)), x)
-    with pytest.raises(ValueError, match="pair_picks"):
-        _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, pair_picks="cached")), x)
     with pytest.raises(ValueError, match="state_dots"):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, state_dots="tf32")), x)
     with pytest.raises(ValueError, match="cumsum"):
@@ -307,9 +303,8 @@ def test_cumulative_kernel_is_the_in_chunk_cumsum_to_twice_fp32():
     assert errors["kernel"][2] > 1e-2  # without lo
 
 
-@pytest.mark.parametrize("overrides", [dict(forward="split"), dict(partner_rows="gathered"), dict(pair_picks="reduced"),
-                                       dict(span_limit=None)],
-                         ids=["split_forward", "partner_rows_gathered", "pair_picks_reduced", "sub_chunks_only"])
+@pytest.mark.parametrize("overrides", [dict(forward="split"), dict(partner_rows="gathered"), dict(span_limit=None)],
+                         ids=["split_forward", "partner_rows_gathered", "sub_chunks_only"])
 @pytest.mark.parametrize("family", ADVERSARIAL)
 def test_config_variants_adversarial_fp32(family, overrides):
     """`Config.forward="split"` (state pass, then the output chunk-parallel from the saved start states) and the
@@ -580,9 +575,7 @@ CONFIG_VARIANTS = {
     "cumsum_xla": dict(cumsum="xla"),
     "partner_rows_gathered": dict(partner_rows="gathered"),
     "all_split": ALL_SPLIT,
-    "pair_picks_reduced": dict(pair_picks="reduced"),
     "sub_chunks_only": dict(span_limit=None),
-    "squares_per_v_block": dict(grad_squares_once=False),
 }
 
 

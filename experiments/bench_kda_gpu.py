@@ -38,12 +38,15 @@ VARIANTS = {
     "default": {},
     # The gates' compensated cumsum in XLA (`CumulativeLogDecay.of`) instead of `_cumulative_kernel`.
     "cumsum_xla": dict(cumsum="xla"),
+    # The cumsum kernel writing only G, the forward's operands by their own kernel.
+    "cumsum_kernel": dict(cumsum="kernel"),
     # The chunk-parallel kernels launched heads fastest instead of chunks fastest (`common.GRID_ORDERS`).
     "heads_first": dict(grid_order="heads"),
     "chunks_first": dict(grid_order="chunks"),
     # The defaults until 2026-11-25: every kernel sat at 255 registers and spilled.
-    "previous": dict(operands="inline", pass_stages=2, block_k=128, pair_block_k=128, pair_warps=8, grad_warps=4),
-    "inline": dict(operands="inline", pass_stages=2),
+    "previous": dict(operands="inline", cumsum="kernel", pass_stages=2, block_k=128, pair_block_k=128, pair_warps=8,
+                     grad_warps=4),
+    "inline": dict(operands="inline", cumsum="kernel", pass_stages=2),
     "rows": dict(inverse="rows"),
     "prep_blocks": dict(prepare="blocks"),  # 16 x 16 block prepare (measured 2.4x slower once)
     "prep_blocks_rows": dict(prepare="blocks", inverse="rows"),  # row substitution as 16-row strips (the fp32 default)
@@ -68,6 +71,8 @@ VARIANTS = {
     "prep_warps1": dict(prepare_warps=1),
     "prep_warps2": dict(prepare_warps=2),
     "prep_warps8": dict(prepare_warps=8),
+    "prep_warps2_bk64": dict(prepare_warps=2, block_k=64),
+    "prep_warps4": dict(prepare_warps=4),
     "grad_bv16": dict(grad_block_v=16),
     "grad_bv64": dict(grad_block_v=64),
     "grad_warps4": dict(grad_warps=4),
@@ -149,38 +154,41 @@ def variant_errors(name):
 
 
 def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
-    """ms of: cumsum glue, prepare (with R), the stored operands (0 when inline), forward pass, forward pass +
-    states, reverse pass, the V and the pair gradient kernels."""
+    """ms of: the gates' cumsum (with the forward's operands for cumsum="with_operands"), prepare (with R), the
+    operand kernel (0 when inline; the backward runs it in any case), forward pass, forward pass + states, reverse
+    pass, the V and the pair gradient kernels."""
     it = FLAGS.iters
     doc = jnp.zeros((B, T), jnp.int32)
     ones = jnp.ones((B, T), jnp.float32)
     h0 = jnp.zeros((B, H, D, D), jnp.float32)
-    cum = jax.jit(lambda g: kda._cumulative(cfg, g))
-    g, glo = cum(log_decay)
+    cum = jax.jit(lambda q, k, g: kda._gates_and_operands(cfg, q, k, g, ones, ones))
+    g, glo, _ = cum(q, k, log_decay)
     prep = jax.jit(lambda q, k, g, glo, b: kda._prepare(cfg, q, k, g, glo, b, doc, with_r=True))
     t, p, r = prep(q, k, g, glo, beta)
     log('prep' + ' ran')
-    source = jax.jit(lambda q, k, g, glo: kda._source(cfg, q, k, g, glo, ones, ones))
+    source = jax.jit(lambda q, k, g, glo: kda._source(cfg, q, k, g, glo, ones, ones, "forward"))
     src = source(q, k, g, glo)
+    back_source = jax.jit(lambda q, k, g, glo: kda._source(cfg, q, k, g, glo, ones, ones, "backward"))
+    back_src = back_source(q, k, g, glo)
     fwd = lambda states: jax.jit(lambda src, v, b, t, p: kda._forward_pass(cfg, src, v, b, t, p, h0,
                                                                             with_states=states))
     fwd0, fwd1 = fwd(False), fwd(True)
     o, final, starts = fwd1(src, v, beta, t, p)
     log('fwd1' + ' ran')
     rev = jax.jit(lambda src, b, t, p, do, df: kda._reverse_pass(cfg, src, b, t, p, do, df))
-    dh0, dends = rev(src, beta, t, p, o, final)
+    dh0, dends = rev(back_src, beta, t, p, o, final)
     log('rev' + ' ran')
     grads_v = jax.jit(lambda *a: kda._grads_v(cfg, *a))
-    gargs = (src, q, k, v, beta, g, glo, doc, ones, ones, t, p, r, starts, dends, o)
+    gargs = (back_src, q, k, v, beta, g, glo, doc, ones, ones, t, p, r, starts, dends, o)
     dv, dq, dk, dg, de, dbeta, squares = grads_v(*gargs)
     grads_pairs = jax.jit(lambda *a: kda._grads_pairs(cfg, *a))
     pargs = (q, k, g, glo, beta, squares, dq, dk, dg)
-    return [median_ms(cum, log_decay, iters=it),
+    return [median_ms(cum, q, k, log_decay, iters=it),
             median_ms(prep, q, k, g, glo, beta, iters=it),
             median_ms(source, q, k, g, glo, iters=it) if cfg.operands == "stored" else 0.0,
             median_ms(fwd0, src, v, beta, t, p, iters=it),
             median_ms(fwd1, src, v, beta, t, p, iters=it),
-            median_ms(rev, src, beta, t, p, o, final, iters=it),
+            median_ms(rev, back_src, beta, t, p, o, final, iters=it),
             median_ms(grads_v, *gargs, iters=it),
             median_ms(grads_pairs, *pargs, iters=it)]
 
@@ -189,7 +197,7 @@ def main(argv):
     del argv
     dev = jax.devices()[0]
     print(f"# {dev.device_kind}, jax {jax.__version__}, interpret={FLAGS.interpret}")
-    header = ["size", "variant", "cumsum", "prepare", "operands", "fwd pass", "fwd pass+states", "reverse",
+    header = ["size", "variant", "cumsum (+operands)", "prepare", "operands", "fwd pass", "fwd pass+states", "reverse",
               "grads V", "grads pairs", "fwd", "fwd+bwd"]
     if FLAGS.error_size:
         header.append(f"rel. error o, state, dq, dk, dv, dbeta, dlog_decay ({FLAGS.error_size})")

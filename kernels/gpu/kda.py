@@ -130,7 +130,9 @@ OPERAND_METHODS = ("inline", "stored")
 # Where the compensated in-chunk cumsum G = hi + lo of the log-decay is formed. "xla": `CumulativeLogDecay.of`
 # (0.74-0.92 ms at 8x2048x16x128 bf16 on the H100, 2026-11-25, for 134 MB in and 268 MB out); "kernel":
 # `_cumulative_kernel`, one pass over the rows of each chunk with an exact TwoSum per addition.
-CUMSUM_METHODS = ("xla", "kernel")
+# "with_operands": the cumsum kernel also writes the forward's stored operands (`_gates_kernel`), so that no
+# kernel reads G back to form them; the backward still runs `_operands_kernel`.
+CUMSUM_METHODS = ("xla", "kernel", "with_operands")
 # The products that tolerate plain bf16 operands for bf16 inputs (`Config.state_dots`, `Config.grad_k_dots`): the
 # products of a chunk operand with a chunk state or state cotangent, and those of dO and dx with S_0. Measured in
 # the interpreter on the adversarial families (docs/kernels.md, "KDA: bf16 products"): u dS_end^T and the dR
@@ -637,31 +639,48 @@ def _sequence_specs(cfg, Tp, K, BV):
 
 
 class _ChunkOperands(NamedTuple):
-    qa: object  # A (.) Q (C x K): fp32, or its bf16 pair (hi, lo) when stored for "split" products; None if unused
+    qa: object  # A (.) Q (C x K): fp32, or stored for "split" products its bf16 (hi,) or (hi, lo); None if unused
     ak: object  # A (.) K
     ke: object  # E (.) K
     gamma: jax.Array  # (K,)
 
 
-def _source(cfg, q, k, g, glo, carry, tail):
-    """The arrays the passes read their chunk operands from (`Config.operands`)."""
+PHASES = ("forward", "backward")  # which passes read the stored operands (`_operand_parts`)
+
+
+def _operand_parts(cfg, phase):
+    """The bf16 parts stored of A (.) Q, A (.) K and E (.) K for the passes of `phase`: 2 (hi, lo) where one of
+    their products is "split", 1 (hi) where all are plain bf16 (`Config.state_dots`); fp32 operands are one fp32
+    tile each. Forward: (A.Q) S_0 and (A.K) S_0 are state products, (E.K)^T u is "split". Backward (the reverse
+    pass and the V kernel): (A.Q)^T dO, (E.K) dS and (A.K) S_0 are state products, (A.K)^T (beta dx) is "split".
+    For bfloat16 inputs that stores 4 bf16 tiles per phase instead of 6."""
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    if cfg.dots != "split":
+        return 1, 1, 1
+    state = 1 if cfg.state_dots == "bf16" else 2
+    return (state, state, 2) if phase == "forward" else (state, 2, state)
+
+
+def _source(cfg, q, k, g, glo, carry, tail, phase):
+    """The arrays the passes of `phase` read their chunk operands from (`Config.operands`)."""
     if cfg.operands == "inline":
         return q, k, g, glo, carry, tail
-    return _stored_operands(cfg, q, k, g, glo, carry, tail)
+    return _stored_operands(cfg, q, k, g, glo, carry, tail, phase)
 
 
-def _source_specs(cfg, sp):
+def _source_specs(cfg, sp, phase):
     """BlockSpecs of `_source`'s arrays, from a dict of specs (`_sequence_specs` or `_output_specs`)."""
     if cfg.operands == "inline":
         return [sp["key"], sp["key"], sp["channel"], sp["channel"], sp["seq"], sp["seq"]]
-    return [sp["channel"]] * (6 if cfg.dots == "split" else 3) + [sp["gamma"]]
+    return [sp["channel"]] * sum(_operand_parts(cfg, phase)) + [sp["gamma"]]
 
 
-def _n_source(cfg):
-    return 6 if cfg.operands == "inline" else (7 if cfg.dots == "split" else 4)
+def _n_source(cfg, phase):
+    return 6 if cfg.operands == "inline" else sum(_operand_parts(cfg, phase)) + 1
 
 
-def _load_operands(cfg, geo, src, rows, gamma_rows, *, with_q=True):
+def _load_operands(cfg, geo, src, rows, gamma_rows, phase, *, with_q=True):
     """The operands of the chunk at `rows` (`gamma_rows`: its K entries of the stored gamma) from `src` refs."""
     if cfg.operands == "inline":
         q_ref, k_ref, g_ref, glo_ref, carry_ref, tail_ref = src
@@ -670,43 +689,59 @@ def _load_operands(cfg, geo, src, rows, gamma_rows, *, with_q=True):
         qa = bound.a * q_ref[rows, :].astype(F32) if with_q else None
         return _ChunkOperands(qa, bound.a * k, bound.e * k, bound.gamma)
     *tiles, gamma_ref = src
-    n = len(tiles) // 3
-    load = lambda refs: tuple(r[rows, :] for r in refs) if n == 2 else refs[0][rows, :]
-    return _ChunkOperands(load(tiles[:n]) if with_q else None, load(tiles[n:2 * n]), load(tiles[2 * n:]),
-                          gamma_ref[gamma_rows])
+    ops, start = [], 0
+    for n in _operand_parts(cfg, phase):
+        refs = tiles[start:start + n]
+        start += n
+        ops.append(tuple(r[rows, :] for r in refs) if cfg.dots == "split" else refs[0][rows, :])
+    return _ChunkOperands(ops[0] if with_q else None, ops[1], ops[2], gamma_ref[gamma_rows])
 
 
 def _odot(x, b, *, ta=False, mode):
-    """`_dot(x, b)` for a chunk operand given as fp32 or as its stored bf16 pair: the same bf16 products."""
+    """`_dot(x, b)` for a chunk operand given as fp32 or as its stored bf16 parts: the same bf16 products."""
     if not isinstance(x, tuple):
         return _dot(x, b, ta=ta, mode=mode)
     if mode == "bf16":  # hi is x rounded to bf16
         return _dot(x[0], b.astype(BF16), ta=ta)
+    if len(x) != 2:
+        raise ValueError(f"a {mode!r} product needs the stored operand's (hi, lo), got {len(x)} part(s)")
     if b.dtype == F32:
         return _split_pair_dot(x, b, ta=ta)
     return _dot(x[0], b, ta=ta) + _dot(x[1], b, ta=ta)
 
 
-def _operands_kernel(q_ref, k_ref, g_ref, glo_ref, carry_ref, tail_ref, *out_refs, cfg: Config):
-    """`Config.operands="stored"`: one chunk's A (.) Q, A (.) K, E (.) K (as bf16 pairs for "split" products) and
-    gamma, for BK channels; the operations of `_load_operands`'s inline branch, so the values are the same."""
+def _operands_kernel(q_ref, k_ref, g_ref, glo_ref, carry_ref, tail_ref, *out_refs, cfg: Config, parts):
+    """`Config.operands="stored"`: one chunk's A (.) Q, A (.) K, E (.) K (bf16 parts for "split" products, `parts`
+    of each) and gamma, for BK channels; the operations of `_load_operands`'s inline branch, so the same values."""
     geo = _geometry(cfg.chunk_size)
     q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
     bound = _boundary(geo, g_ref[...], glo_ref[...], carry_ref[...], tail_ref[...])
     *tiles, gamma_ref = out_refs
-    n = len(tiles) // 3
-    for i, x in enumerate((bound.a * q, bound.a * k, bound.e * k)):
-        refs = tiles[i * n:(i + 1) * n]
-        if n == 2:
+    start = 0
+    for n, x in zip(parts, (bound.a * q, bound.a * k, bound.e * k)):
+        refs = tiles[start:start + n]
+        start += n
+        if cfg.dots != "split":
+            refs[0][...] = x
+        elif n == 2:
             refs[0][...], refs[1][...] = _split_bf16(x)
         else:
-            refs[0][...] = x
+            refs[0][...] = x.astype(BF16)  # the hi of `_split_bf16`
     gamma_ref[...] = bound.gamma
 
 
-def _stored_operands(cfg, q, k, g, glo, carry, tail):
-    """(qa..., ak..., ke..., gamma): [B, Tp, Hv, K] tiles (two bf16 each for "split" products, else one fp32) and
-    gamma [B, Hv, chunks * K] fp32, from `_operands_kernel`, grid (K/BK, chunks, B*Hv)."""
+def _operand_shapes(cfg, B, Tp, K, phase):
+    """Shapes of the stored operands of `phase`: `_operand_parts` [B, Tp, Hv, K] tiles (bf16, or fp32 without
+    "split" products) and gamma [B, Hv, chunks * K] fp32."""
+    tile = jax.ShapeDtypeStruct((B, Tp, cfg.value_heads, K), BF16 if cfg.dots == "split" else F32)
+    gamma = jax.ShapeDtypeStruct((B, cfg.value_heads, (Tp // cfg.chunk_size) * K), F32)
+    return [tile] * sum(_operand_parts(cfg, phase)) + [gamma]
+
+
+def _stored_operands(cfg, q, k, g, glo, carry, tail, phase):
+    """(qa..., ak..., ke..., gamma) for the passes of `phase`: [B, Tp, Hv, K] tiles (bf16 parts for "split"
+    products, `_operand_parts`, else one fp32 each) and gamma [B, Hv, chunks * K] fp32, from `_operands_kernel`,
+    grid (K/BK, chunks, B*Hv)."""
     B, Tp, _, K = q.shape
     Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
     BK = min(cfg.block_k, K)
@@ -715,15 +750,14 @@ def _stored_operands(cfg, q, k, g, glo, carry, tail):
     channel = pl.BlockSpec((None, C, None, BK), lambda kb, i, bh: (bh // Hv, i, bh % Hv, kb))
     seq = pl.BlockSpec((None, C), lambda kb, i, bh: (bh // Hv, i))
     gamma = pl.BlockSpec((None, None, BK), lambda kb, i, bh: (bh // Hv, bh % Hv, i * nk + kb))
-    n = 2 if cfg.dots == "split" else 1
-    tile = jax.ShapeDtypeStruct((B, Tp, Hv, K), BF16 if n == 2 else F32)
+    shapes = _operand_shapes(cfg, B, Tp, K, phase)
     return tuple(_chunk_parallel_call(
-        functools.partial(_operands_kernel, cfg=cfg),
+        functools.partial(_operands_kernel, cfg=cfg, parts=_operand_parts(cfg, phase)),
         grid=(nk, nt, B * Hv),
         grid_order=cfg.grid_order,
         in_specs=[key, key, channel, channel, seq, seq],
-        out_specs=[channel] * (3 * n) + [gamma],
-        out_shape=[tile] * (3 * n) + [jax.ShapeDtypeStruct((B, Hv, nt * K), F32)],
+        out_specs=[channel] * (len(shapes) - 1) + [gamma],
+        out_shape=shapes,
         compiler_params=_params(cfg.prepare_warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_operands",
@@ -748,7 +782,7 @@ def _chunk_rows(cfg, i, K):
 
 
 def _forward_kernel(*refs, cfg: Config, nt: int):
-    n = _n_source(cfg)
+    n = _n_source(cfg, "forward")
     src = refs[:n]
     v_ref, beta_ref, t_ref, p_ref, h0_ref, o_ref, final_ref, *states_ref = refs[n:]
     mode = cfg.dots
@@ -760,7 +794,7 @@ def _forward_kernel(*refs, cfg: Config, nt: int):
         rows, per_chunk = _chunk_rows(cfg, i, K)
         if states_ref:
             states_ref[0][per_chunk, :] = s
-        ops = _load_operands(cfg, geo, src, rows, per_chunk)
+        ops = _load_operands(cfg, geo, src, rows, per_chunk, "forward")
         u = _pseudo_values(cfg, ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s)
         o = cfg.scale * (_odot(ops.qa, s, mode=cfg.state_dots) + _dot(p_ref[rows, :], u, mode=mode))
         o_ref[rows, :] = o.astype(o_ref.dtype)
@@ -771,7 +805,7 @@ def _forward_kernel(*refs, cfg: Config, nt: int):
 
 def _state_kernel(*refs, cfg: Config, nt: int):
     """`Config.forward="split"`: (4) and (6) only, writing every chunk's start state."""
-    n = _n_source(cfg)
+    n = _n_source(cfg, "forward")
     src = refs[:n]
     v_ref, beta_ref, t_ref, h0_ref, final_ref, states_ref = refs[n:]
     mode = cfg.dots
@@ -781,7 +815,7 @@ def _state_kernel(*refs, cfg: Config, nt: int):
     def chunk(i, s):
         rows, per_chunk = _chunk_rows(cfg, i, K)
         states_ref[per_chunk, :] = s
-        ops = _load_operands(cfg, geo, src, rows, per_chunk, with_q=False)
+        ops = _load_operands(cfg, geo, src, rows, per_chunk, "forward", with_q=False)
         u = _pseudo_values(cfg, ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s)
         return ops.gamma[:, None] * s + _odot(ops.ke, u, ta=True, mode=mode)
 
@@ -791,12 +825,12 @@ def _state_kernel(*refs, cfg: Config, nt: int):
 def _output_kernel(*refs, cfg: Config):
     """`Config.forward="split"`: (4) and (5) for one chunk and V block from its saved start state; the same
     operations as the pass's, so u is the value the pass carried on."""
-    n = _n_source(cfg)
+    n = _n_source(cfg, "forward")
     src = refs[:n]
     v_ref, beta_ref, t_ref, p_ref, s_ref, o_ref = refs[n:]
     mode = cfg.dots
     s = s_ref[...]
-    ops = _load_operands(cfg, _geometry(cfg.chunk_size), src, slice(None), slice(None))
+    ops = _load_operands(cfg, _geometry(cfg.chunk_size), src, slice(None), slice(None), "forward")
     u = _pseudo_values(cfg, ops.ak, v_ref[...], t_ref[...], beta_ref[...], s)
     o = cfg.scale * (_odot(ops.qa, s, mode=cfg.state_dots) + _dot(p_ref[...], u, mode=mode))
     o_ref[...] = o.astype(o_ref.dtype)
@@ -828,7 +862,7 @@ def _split_forward(cfg, src, v, beta, t, p, h0):
     final, starts = pl.pallas_call(
         functools.partial(_state_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
-        in_specs=_source_specs(cfg, sp) + [sp["value"], sp["gate"], sp["square"], sp["state"]],
+        in_specs=_source_specs(cfg, sp, "forward") + [sp["value"], sp["gate"], sp["square"], sp["state"]],
         out_specs=[sp["state"], sp["states"]],
         out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32)],
         compiler_params=_params(cfg.warps, cfg.pass_stages),
@@ -841,7 +875,8 @@ def _split_forward(cfg, src, v, beta, t, p, h0):
         functools.partial(_output_kernel, cfg=cfg),
         grid=(V // OV, nt, B * Hv),
         grid_order=cfg.grid_order,
-        in_specs=_source_specs(cfg, op) + [op["value"], op["gate"], op["square"], op["square"], op["state"]],
+        in_specs=_source_specs(cfg, op, "forward") + [op["value"], op["gate"], op["square"], op["square"],
+                                                      op["state"]],
         out_specs=op["value"],
         out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype),
         compiler_params=_params(cfg.warps, cfg.stages),
@@ -868,7 +903,8 @@ def _forward_pass(cfg, src, v, beta, t, p, h0, *, with_states):
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
-        in_specs=_source_specs(cfg, sp) + [sp["value"], sp["gate"], sp["square"], sp["square"], sp["state"]],
+        in_specs=_source_specs(cfg, sp, "forward") + [sp["value"], sp["gate"], sp["square"], sp["square"],
+                                                      sp["state"]],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_params(cfg.warps, cfg.pass_stages),
@@ -878,7 +914,7 @@ def _forward_pass(cfg, src, v, beta, t, p, h0, *, with_states):
 
 
 def _reverse_kernel(*refs, cfg: Config, nt: int):
-    n = _n_source(cfg)
+    n = _n_source(cfg, "backward")
     src = refs[:n]
     beta_ref, t_ref, p_ref, do_ref, dfinal_ref, dh0_ref, dends_ref = refs[n:]
     mode = cfg.dots
@@ -889,7 +925,7 @@ def _reverse_kernel(*refs, cfg: Config, nt: int):
         """ds: dL/d(state at the end of chunk i = nt-1-m); returns dL/d(state at its start)."""
         rows, per_chunk = _chunk_rows(cfg, nt - 1 - m, K)
         dends_ref[per_chunk, :] = ds
-        ops = _load_operands(cfg, geo, src, rows, per_chunk)
+        ops = _load_operands(cfg, geo, src, rows, per_chunk, "backward")
         do = do_ref[rows, :]
         # Through (5) and (6): du = scale P^T dO + (E (.) K) dS_1; through (4): d(beta y) = T^T du.
         du = cfg.scale * _dot(p_ref[rows, :], do, ta=True, mode=mode) + _odot(ops.ke, ds, mode=cfg.state_dots)
@@ -909,7 +945,8 @@ def _reverse_pass(cfg, src, beta, t, p, do, dfinal):
     return pl.pallas_call(
         functools.partial(_reverse_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
-        in_specs=_source_specs(cfg, sp) + [sp["gate"], sp["square"], sp["square"], sp["value"], sp["state"]],
+        in_specs=_source_specs(cfg, sp, "backward") + [sp["gate"], sp["square"], sp["square"], sp["value"],
+                                                       sp["state"]],
         out_specs=[sp["state"], sp["states"]],
         out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32)],
         compiler_params=_params(cfg.reverse_warps, cfg.pass_stages),
@@ -929,7 +966,7 @@ def _grad_v_kernel(*refs, cfg: Config):
 
     With stored operands the loop loads A (.) K and E (.) K as dot operands, and A, E are formed after it, for the
     boundary terms only: fewer C x K fp32 tiles live across the loop."""
-    n = _n_source(cfg) if cfg.operands == "stored" else 0
+    n = _n_source(cfg, "backward") if cfg.operands == "stored" else 0
     src = refs[:n]
     (q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, doc_ref, carry_ref, tail_ref, t_ref, p_ref, r_ref, s0_ref,
      dend_ref, do_ref, dv_ref, dq_ref, dk_ref, dg_ref, de_ref, dbeta_ref, dp_ref, dm_ref, dpt_ref, dmt_ref) = refs[n:]
@@ -952,7 +989,7 @@ def _grad_v_kernel(*refs, cfg: Config):
         cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
         s0, dend, do = s0_ref[:, cols], dend_ref[:, cols], do_ref[:, cols]
         if src:
-            ops = _load_operands(cfg, geo, src, slice(None), slice(None), with_q=False)
+            ops = _load_operands(cfg, geo, src, slice(None), slice(None), "backward", with_q=False)
             ka, ke = ops.ak, ops.ke
         else:
             ka, ke = inline
@@ -1123,7 +1160,7 @@ def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts,
         functools.partial(_grad_v_kernel, cfg=cfg),
         grid=(S, Tp // C, B * Hv),
         grid_order=cfg.grid_order,
-        in_specs=[lift(x) for x in (_source_specs(cfg, sp) if src else [])] + [
+        in_specs=[lift(x) for x in (_source_specs(cfg, sp, "backward") if src else [])] + [
             lift(sp["key"]), lift(sp["key"]), value, lift(sp["gate"]), lift(sp["channel"]), lift(sp["channel"]),
             lift(sp["seq"]), lift(sp["seq"]), lift(sp["seq"]), lift(sp["square"]), lift(sp["square"]),
             lift(sp["square"]), state, state, value],
@@ -1202,7 +1239,7 @@ def _cumulative(cfg, log_decay):
     if cfg.cumsum == "xla":
         g = CumulativeLogDecay.of(log_decay.reshape(B, Tp // C, C, Hv, K), axis=2)
         return g.hi.reshape(B, Tp, Hv, K), g.lo.reshape(B, Tp, Hv, K)
-    if cfg.cumsum != "kernel":
+    if cfg.cumsum not in CUMSUM_METHODS:
         raise ValueError(f"config.cumsum must be one of {CUMSUM_METHODS}, got {cfg.cumsum!r}")
     channel = _chunk_specs(cfg, K, K)["channel"]
     return tuple(_chunk_parallel_call(
@@ -1218,19 +1255,93 @@ def _cumulative(cfg, log_decay):
     )(log_decay.astype(F32)))
 
 
+def _gates_kernel(x_ref, q_ref, k_ref, carry_ref, tail_ref, hi_ref, lo_ref, *out_refs, cfg: Config, parts):
+    """`Config.cumsum="with_operands"`: `_cumulative_kernel`'s rows of one chunk and, from the same hi and lo, the
+    forward's stored operands (`_operands_kernel`'s values: `_boundary`'s operations on the same numbers).
+
+    A_t needs only G_t and is written on the way down the rows. E_s = tail_s exp(G_C - G_s) needs the chunk's last
+    gate, so a second loop runs the same additions again (the same hi and lo, bit for bit) and writes E (.) K."""
+    C, K = x_ref.shape
+    *tiles, gamma_ref = out_refs
+    groups, start = [], 0
+    for n in parts:
+        groups.append(tiles[start:start + n])
+        start += n
+    qa_refs, ak_refs, ke_refs = groups
+
+    def store(refs, row, x):
+        if cfg.dots != "split":
+            refs[0][row, :] = x
+        elif len(refs) == 2:
+            refs[0][row, :], refs[1][row, :] = _split_bf16(x)
+        else:
+            refs[0][row, :] = x.astype(BF16)  # the hi of `_split_bf16`
+
+    def add(r, hi, lo):
+        """TwoSum of row r into the running (hi, lo), as `_cumulative_kernel`."""
+        x = x_ref[pl.ds(r, 1), :]
+        total = hi + x
+        b = total - hi
+        return total, lo + ((hi - (total - b)) + (x - b))
+
+    def down(r, sums):
+        hi, lo = add(r, *sums)
+        row = pl.ds(r, 1)
+        hi_ref[row, :], lo_ref[row, :] = hi, lo
+        a = carry_ref[row][:, None] * jnp.exp(hi + lo)
+        store(qa_refs, row, a * q_ref[row, :].astype(F32))
+        store(ak_refs, row, a * k_ref[row, :].astype(F32))
+        return hi, lo
+
+    zero = jnp.zeros((1, K), F32)
+    hi_end, lo_end = lax.fori_loop(0, C, down, (zero, zero))
+    gamma_ref[...] = (carry_ref[pl.ds(C - 1, 1)][:, None] * jnp.exp(hi_end + lo_end)).reshape(K)
+
+    def again(r, sums):
+        hi, lo = add(r, *sums)
+        row = pl.ds(r, 1)
+        e = tail_ref[row][:, None] * jnp.exp((hi_end - hi) + (lo_end - lo))
+        store(ke_refs, row, e * k_ref[row, :].astype(F32))
+        return hi, lo
+
+    lax.fori_loop(0, C, again, (zero, zero))
+
+
+def _gates_and_operands(cfg, q, k, log_decay, carry, tail):
+    """(G hi, G lo, the forward's chunk operands `_source`): by `_gates_kernel` with `cumsum="with_operands"`."""
+    if cfg.cumsum != "with_operands":
+        g, glo = _cumulative(cfg, log_decay)
+        return g, glo, _source(cfg, q, k, g, glo, carry, tail, "forward")
+    if cfg.operands != "stored":
+        raise ValueError(f"config.cumsum='with_operands' needs config.operands='stored', got {cfg.operands!r}")
+    B, Tp, Hv, K = log_decay.shape
+    sp = _chunk_specs(cfg, K, K)
+    shapes = _operand_shapes(cfg, B, Tp, K, "forward")
+    g, glo, *src = _chunk_parallel_call(
+        functools.partial(_gates_kernel, cfg=cfg, parts=_operand_parts(cfg, "forward")),
+        grid=(Tp // cfg.chunk_size, B * Hv),
+        grid_order=cfg.grid_order,
+        in_specs=[sp["channel"], sp["key"], sp["key"], sp["seq"], sp["seq"]],
+        out_specs=[sp["channel"]] * (len(shapes) + 1) + [sp["gamma"]],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, K), F32)] * 2 + shapes,
+        compiler_params=_params(1, 3),
+        interpret=cfg.interpret,
+        name="kda_gates",
+    )(log_decay.astype(F32), q, k, carry, tail)
+    return g, glo, tuple(src)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
-    g, glo = _cumulative(cfg, log_decay)
+    g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail)
     t, p = _prepare(cfg, q, k, g, glo, beta, doc)
-    src = _source(cfg, q, k, g, glo, carry, tail)
     return tuple(_forward_pass(cfg, src, v, beta, t, p, h0, with_states=False))
 
 
 def _kda_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     # Residuals: the inputs, P, T and R (C x C per chunk) and the chunk start states (K x V fp32 per chunk).
-    g, glo = _cumulative(cfg, log_decay)
+    g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail)
     t, p, r = _prepare(cfg, q, k, g, glo, beta, doc, with_r=True)
-    src = _source(cfg, q, k, g, glo, carry, tail)
     o, final, starts = _forward_pass(cfg, src, v, beta, t, p, h0, with_states=True)
     return (o, final), (q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts)
 
@@ -1241,7 +1352,7 @@ def _kda_bwd(cfg, residuals, cotangents):
     do = do.astype(v.dtype)
     # Stored operands are formed again rather than saved: a chunk-parallel kernel, against 3 C x K pairs per chunk
     # kept alive from the forward to the backward.
-    src = _source(cfg, q, k, g, glo, carry, tail)
+    src = _source(cfg, q, k, g, glo, carry, tail, "backward")
     dh0, dends = _reverse_pass(cfg, src, beta, t, p, do, dfinal.astype(F32))
     dq, dk, dv, dbeta, dg, de = _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends,
                                        do)
@@ -1295,10 +1406,10 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   grad_k_dots=tolerant,
                   prepare="partner",
                   block_v=sequential_block_v(q.shape[0] * v.shape[2], V, BLOCK_V, KDA_NARROWEST_BLOCK_V),
-                  grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=4,
+                  grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=2,
                   grad_warps=8, pair_warps=4, stages=2, interpret=interpret,
-                  operands="stored", pass_stages=1, block_k=32, pair_block_k=32, reverse_warps=4, cumsum="kernel",
-                  span_limit=SPAN_LIMIT)
+                  operands="stored", pass_stages=1, block_k=32, pair_block_k=32, reverse_warps=4,
+                  cumsum="with_operands", span_limit=SPAN_LIMIT)
 
 
 def _pow2_at_least_16(n):

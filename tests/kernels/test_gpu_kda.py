@@ -30,6 +30,7 @@ warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarn
 
 ON_GPU = jax.default_backend() == "gpu"
 FP32_OUT_TOL, FP32_GRAD_TOL = 1e-5, 1e-4
+INLINE = dict(operands="inline", cumsum="kernel")  # passes forming their operands in every step
 BF16_OUT_TOL, BF16_GRAD_TOL, BF16_GATE_GRAD_TOL = 3e-3, 6e-3, 1e-2
 ARG_NAMES = ("q", "k", "v", "beta", "log_decay", "initial_state")
 
@@ -213,14 +214,16 @@ def test_other_chunk_sizes(chunk_size):
                                        dict(prepare="blocks", inverse="blocks"), dict(block_v=32, grad_block_v=16),
                                        dict(block_v=64), dict(forward="split"),
                                        dict(forward="split", block_v=16, output_block_v=32),
-                                       dict(operands="inline"), dict(operands="inline", forward="split"),
+                                       INLINE, dict(INLINE, forward="split"),
                                        dict(block_k=16, pair_block_k=64), dict(block_k=64, pair_block_k=16),
                                        dict(grad_v_splits=2, grad_block_v=16), dict(grad_v_splits=4),
-                                       dict(cumsum="xla"), dict(partner_rows="gathered"), dict(span_limit=None)],
+                                       dict(cumsum="xla"), dict(partner_rows="gathered"), dict(span_limit=None),
+                                       dict(cumsum="kernel"), dict(cumsum="with_operands", forward="split")],
                          ids=["blocks", "prep_blocks", "prep_blocks_inverse_blocks", "small_v_blocks", "wide_v_blocks",
                               "split_forward", "split_forward_v_blocks", "inline_operands", "inline_split_forward",
                               "channel_blocks_16_64", "channel_blocks_64_16", "grad_v_splits_2", "grad_v_splits_4",
-                              "cumsum_xla", "partner_rows_gathered", "sub_chunks_only"])
+                              "cumsum_xla", "partner_rows_gathered", "sub_chunks_only", "cumsum_kernel",
+                              "gates_with_operands_split_forward"])
 def test_config_variants_fp32(overrides):
     """`Config.inverse="blocks"` (16 x 16 substitutions + block merges, the 16-bit default), the 16 x 16 block
     prepare kernel, other V blocks, inline operands and channel blocks (K = 32: two blocks of 16) meet the fp32
@@ -290,10 +293,11 @@ def test_cumulative_kernel_is_the_in_chunk_cumsum_to_twice_fp32():
     inside = np.arange(1, T) % C != 0  # neighbours in one chunk
     true_step = (exact[:, 1:] - exact[:, :-1])[:, inside]
     step_error = lambda step: np.max(np.abs(step[:, inside] - true_step) / np.abs(true_step))
+    ones = jnp.ones((B, T), jnp.float32)
     errors = {}
-    for method in kda_module.CUMSUM_METHODS:
-        hi, lo = (np.asarray(a) for a in jax.jit(
-            lambda x: kda_module._cumulative(dataclasses.replace(cfg, cumsum=method), x))(x))
+    for method in kda_module.CUMSUM_METHODS:  # "with_operands": the G that `_gates_kernel` writes beside them
+        hi, lo = (np.asarray(a) for a in jax.jit(lambda x: kda_module._gates_and_operands(
+            dataclasses.replace(cfg, cumsum=method), x, x, x, ones, ones)[:2])(x))
         errors[method] = (np.abs(hi.astype(np.float64) + lo - exact).max(),
                           step_error((hi[:, 1:] - hi[:, :-1]).astype(np.float64) + (lo[:, 1:] - lo[:, :-1])),
                           step_error((hi[:, 1:] - hi[:, :-1]).astype(np.float64)))
@@ -363,6 +367,25 @@ def test_tolerant_bf16_dots_on_adversarial_in_interpreter(family):
     _check(x, BF16_OUT_TOL, _bf16_grad_tol, label=f"tolerant-bf16-{family}")
 
 
+def test_operands_written_with_the_cumsum_equal_the_operand_kernel():
+    """`Config.cumsum="with_operands"`: the forward's stored operands come from the cumsum's kernel
+    (`_gates_kernel`) instead of `_operands_kernel` (which the backward still runs). The same operations on the
+    same numbers, so outputs and gradients are the same: any difference (one bf16 ulp is ~4e-3 of an element)
+    fails. bf16 inputs, K = 64, documents, an initial state; with "inline" operands the option is refused."""
+    x = _round_trip_bf16(_inputs(T=130, B=1, K=64, V=32))
+    x["scale"] = 64 ** -0.5
+    cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
+    results = []
+    for cumsum in ("kernel", "with_operands"):
+        fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, cumsum=cumsum))
+        results.append(jax.tree.leaves((_call(fn, x), _grads(fn, x))))
+    for a, b in zip(*results):
+        assert relative_error(a.astype(jnp.float32), b.astype(jnp.float32)) <= 1e-6, (a.dtype, a.shape)
+    with pytest.raises(ValueError, match="with_operands"):
+        _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(
+            cfg, operands="inline", cumsum="with_operands")), x)
+
+
 @pytest.mark.parametrize("forward", ["fused", "split"])
 def test_bf16_stored_operands_equal_inline_in_interpreter(forward):
     """Stored operands (bf16 pairs written by `_operands_kernel`) are the values the inline passes form in every
@@ -379,7 +402,8 @@ def test_bf16_stored_operands_equal_inline_in_interpreter(forward):
     assert (cfg.dots, cfg.operands, cfg.block_k, cfg.pair_block_k) == ("split", "stored", 32, 32)
     results = {}
     for operands in ("stored", "inline"):
-        fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, operands=operands, forward=forward))
+        fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(
+            cfg, operands=operands, forward=forward, cumsum="kernel"))
         _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"{operands}-{forward}-bf16")
         results[operands] = (_call(fn, x), _grads(fn, x))
     (out_s, grads_s), (out_i, grads_i) = results["stored"], results["inline"]
@@ -538,10 +562,16 @@ def _expected_kernels(overrides=None):
     operands, the forward pass. With gradients: cumsum, prepare, operands, forward pass with states, operands again
     (formed, not saved), reverse pass, the V and the pair gradient kernels. "inline" operands drop the operand
     kernels; the "split" forward is two kernels (state pass, then output); the XLA cumsum is no kernel."""
-    cfg = dict(dict(operands="stored", forward="fused", cumsum="kernel"), **(overrides or {}))
+    cfg = dict(_SHIPPED, **(overrides or {}))
     fwd, both = (3, 7) if cfg["operands"] == "stored" else (2, 5)
     fwd, both = (fwd + 1, both + 1) if cfg["forward"] == "split" else (fwd, both)
+    # "with_operands": one kernel writes the cumsum and the forward's operands (in place of the operand kernel).
     return (fwd + 1, both + 1) if cfg["cumsum"] == "kernel" else (fwd, both)
+
+
+_SHIPPED = {name: getattr(default_config(jnp.zeros((1, 64, 1, 128), jnp.bfloat16), jnp.zeros((1, 64, 1, 128),
+                                         jnp.bfloat16), scale=0.1, chunk_size=64, segmented=False, interpret=False),
+                          name) for name in ("operands", "forward", "cumsum")}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -567,12 +597,14 @@ CONFIG_VARIANTS = {
     "stages": dict(stages=3),
     "split_forward": dict(forward="split"),
     "split_forward_blocks": dict(forward="split", block_v=32, output_block_v=128, warps=8),
-    "inline": dict(operands="inline", pass_stages=2),
-    "inline_split": dict(operands="inline", forward="split"),
+    "inline": dict(INLINE, pass_stages=2),
+    "inline_split": dict(INLINE, forward="split"),
     "channel_blocks": dict(block_k=16, pair_block_k=64, pair_warps=8, reverse_warps=8, grad_warps=4),
     "grad_v_splits": dict(grad_v_splits=2),
     "whole_channels": dict(block_k=128, pair_block_k=128),
     "cumsum_xla": dict(cumsum="xla"),
+    "cumsum_kernel": dict(cumsum="kernel"),
+    "gates_with_operands": dict(cumsum="with_operands"),
     "partner_rows_gathered": dict(partner_rows="gathered"),
     "all_split": ALL_SPLIT,
     "sub_chunks_only": dict(span_limit=None),

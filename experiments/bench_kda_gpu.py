@@ -182,7 +182,7 @@ def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
     gargs = (back_src, q, k, v, beta, g, glo, doc, ones, ones, t, p, r, starts, dends, o)
     dv, dq, dk, dg, de, dbeta, squares = grads_v(*gargs)
     grads_pairs = jax.jit(lambda *a: kda._grads_pairs(cfg, *a))
-    pargs = (q, k, g, glo, beta, squares, dq, dk, dg)
+    pargs = (q, k, g, glo, beta, squares, dq, dk, dg, de)
     return [median_ms(cum, q, k, log_decay, iters=it),
             median_ms(prep, q, k, g, glo, beta, iters=it),
             median_ms(source, q, k, g, glo, iters=it) if cfg.operands == "stored" else 0.0,

@@ -58,11 +58,12 @@ the index maps, never a repeated copy):
 - `_grad_pair_kernel`, grid (K/BK, chunks, B*Hv) (BK = `Config.pair_block_k`): the decayed pair products of dP
   and dR in 16 x 16 blocks (the block scheme of `_prepare_blocks_kernel`), added to the V kernel's partials; every
   output is per channel, so channel blocks are independent programs (dbeta's share through R, which needs all
-  channels, is summed in the V kernel from R saved by prepare).
+  channels, is summed in the V kernel from R saved by prepare). It also turns dG and dE into d(log_decay) (the
+  in-chunk sums: reverse for G, exclusive forward for E, whose gates are those after s).
 
-In XLA around them: padding (T to a multiple of C, K and V to powers of two >= 16), the document flags, the sum of
-dq/dk over each key head's value heads and the cumsums that turn dG into d(log_decay) (reverse for G, exclusive
-forward for E, whose gates are those after s).
+In XLA around them: padding (T to a multiple of C, K and V to powers of two >= 16), the document flags and, when
+value heads share a key head, the sum of dq/dk over them. (The cumsums of d(log_decay) and dtype casts in XLA took
+~1 ms of the 6.2 ms forward+backward at 8x2048x16x128 bf16 on the H100; docs/kernels.md.)
 
 Precision (`Config.dots`, products with an fp32 operand): "highest" (IEEE fp32; fp32 inputs) or "split" (16-bit
 inputs): each fp32 operand x is written as hi + lo with hi = bf16(x), lo = bf16(x - hi), and the product is summed
@@ -1043,8 +1044,12 @@ def _grad_pair_kernel(*refs, cfg: Config):
     of 16 x 16 x K dots, diagonal blocks loop over the partner token c with the exact exponent. The pairs s = t
     (decay 1, only in dP) feed dq and dk but not dG (sending +x and -x through two roundings would leave O(eps x)
     in dG, which swamps d(log_decay) ~ exp(-20) when gates are -20).
+
+    dG and the V kernel's dE leave as d(log_decay) of the chunk's tokens (`_write_log_decay_grad`), and dq, dk in
+    the inputs' dtype when every key head has one value head (nothing left to sum in XLA).
     """
-    # refs: q, k, G hi, G lo, beta, dP, dM, dP^T, dM^T, the V kernel's dq, dk, dG; then the outputs dq, dk, dG.
+    # refs: q, k, G hi, G lo, beta, dP, dM, dP^T, dM^T, the V kernel's dq, dk, dG, dE; then the outputs dq, dk,
+    # d(log_decay).
     bounded = _bounded_span(cfg, refs[2], refs[3], slice(None))
     if bounded is None:
         _pair_grads_sub_chunks(*refs, cfg=cfg)
@@ -1053,8 +1058,50 @@ def _grad_pair_kernel(*refs, cfg: Config):
                  lambda: _pair_grads_sub_chunks(*refs, cfg=cfg))
 
 
+def _upper(n):
+    """(n, n) bf16: 1 where column >= row."""
+    return jnp.where(_iota(n, n, 1) >= _iota(n, n, 0), 1.0, 0.0).astype(BF16)
+
+
+def _strictly_lower(n):
+    """(n, n) bf16: 1 where column < row."""
+    return jnp.where(_iota(n, n, 1) < _iota(n, n, 0), 1.0, 0.0).astype(BF16)
+
+
+def _zero_one_dot(m, x):
+    """m @ x for a 0/1 matrix m (bf16, exact) and fp32 x, on the bf16 tensor cores: x = x1 + x2 + x3 exactly (an
+    fp32 significand is three bf16 ones), every product exact, each of the three sums accumulated in fp32. IEEE
+    fp32 dots (`_hdot`) gave the same sums at 0.4 ms more per pair kernel (8x2048x16x128, H100)."""
+    x1 = x.astype(BF16)
+    rest = x - x1.astype(F32)
+    x2 = rest.astype(BF16)
+    x3 = (rest - x2.astype(F32)).astype(BF16)
+    return _dot(m, x1) + _dot(m, x2) + _dot(m, x3)
+
+
+def _write_log_decay_grad(dlog_ref, dgs, de_ref):
+    """d(log_decay)_r = sum_{t >= r} dG_t + sum_{s < r} dE_s over the chunk's tokens: G_t sums the log-decays
+    r <= t of its chunk, E_s = exp(G_C - G_s) those after s. `dgs`: dG in row blocks of equal height (one block
+    for the whole chunk, or its sub-chunks). Inside a block, products with 0/1 triangles (`_zero_one_dot`);
+    across blocks, column sums. Every term enters once with its own value (dE never passes through dG, see
+    `_grad_v_kernel`)."""
+    n = dgs[0].shape[0]
+    des = [de_ref[pl.ds(i * n, n), :] for i in range(len(dgs))]
+    column_sum = lambda x: jnp.sum(x, axis=0)[None, :]
+    later = [None] * len(dgs)  # sum of dG over the blocks after block i
+    acc = jnp.zeros_like(column_sum(dgs[0]))
+    for i in reversed(range(len(dgs))):
+        later[i] = acc
+        acc = acc + column_sum(dgs[i])
+    earlier = jnp.zeros_like(acc)  # sum of dE over the blocks before block i
+    for i, (dg, de) in enumerate(zip(dgs, des)):
+        dlog_ref[pl.ds(i * n, n), :] = (_zero_one_dot(_upper(n), dg) + later[i] + _zero_one_dot(_strictly_lower(n), de)
+                                        + earlier)
+        earlier = earlier + column_sum(de)
+
+
 def _pair_grads_one_reference(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dpt_ref, dmt_ref, dq_in_ref,
-                              dk_in_ref, dg_in_ref, dq_ref, dk_ref, dg_ref, *, cfg):
+                              dk_in_ref, dg_in_ref, de_ref, dq_ref, dk_ref, dlog_ref, *, cfg):
     """The pair terms of a chunk of bounded span (SPAN_LIMIT): the products of the sub-chunk scheme's blocks i > j
     over the whole chunk, split at the last token's gate."""
     del dpt_ref, dmt_ref
@@ -1070,13 +1117,13 @@ def _pair_grads_one_reference(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm
     left_p = to_end * _dot(dp, k_from, mode=mode)
     left_r = to_end * _dot(dr, k_from, mode=mode)
     right = from_end * (_dot(dp, q * to_end, ta=True, mode=mode) + _dot(dr, k * to_end, ta=True, mode=mode))
-    dq_ref[...] = dq_in_ref[...] + left_p + dp_self * k
-    dk_ref[...] = dk_in_ref[...] + left_r + dp_self * q + right
-    dg_ref[...] = dg_in_ref[...] + q * left_p + k * left_r - k * right
+    dq_ref[...] = (dq_in_ref[...] + left_p + dp_self * k).astype(dq_ref.dtype)
+    dk_ref[...] = (dk_in_ref[...] + left_r + dp_self * q + right).astype(dk_ref.dtype)
+    _write_log_decay_grad(dlog_ref, [dg_in_ref[...] + q * left_p + k * left_r - k * right], de_ref)
 
 
 def _pair_grads_sub_chunks(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dpt_ref, dmt_ref, dq_in_ref,
-                           dk_in_ref, dg_in_ref, dq_ref, dk_ref, dg_ref, *, cfg):
+                           dk_in_ref, dg_in_ref, de_ref, dq_ref, dk_ref, dlog_ref, *, cfg):
     """The pair terms of one chunk in 16 x 16 blocks (the `_grad_pair_kernel` docstring)."""
     C, mode = cfg.chunk_size, cfg.dots
     K = q_ref.shape[-1]
@@ -1127,12 +1174,12 @@ def _pair_grads_sub_chunks(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_re
             right[j] = right[j] + _from_ref(_gates(g_ref, glo_ref, _blk(j)), ref) * (
                 _dot(dp_ij, q_i * to, ta=True, mode=mode) + _dot(dr_ij, k_i * to, ta=True, mode=mode))
         dp_self = jnp.sum(jnp.where(rows == cols, dp_ii, 0.0), axis=1)[:, None]
-        dq_ref[_blk(i), :] = dq_in_ref[_blk(i), :] + left_p + dp_self * k_i
+        dq_ref[_blk(i), :] = (dq_in_ref[_blk(i), :] + left_p + dp_self * k_i).astype(dq_ref.dtype)
         dk_rest.append(dk_in_ref[_blk(i), :] + left_r + dp_self * q_i)
         dg_rest.append(dg_in_ref[_blk(i), :] + q_i * left_p + k_i * left_r)
     for i in range(nb):
-        dk_ref[_blk(i), :] = dk_rest[i] + right[i]
-        dg_ref[_blk(i), :] = dg_rest[i] - row_block(k_ref, i) * right[i]
+        dk_ref[_blk(i), :] = (dk_rest[i] + right[i]).astype(dk_ref.dtype)
+    _write_log_decay_grad(dlog_ref, [dg_rest[i] - row_block(k_ref, i) * right[i] for i in range(nb)], de_ref)
 
 
 def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do):
@@ -1175,8 +1222,9 @@ def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts,
     return (dv,) + tuple(total(x) for x in (dq, dk, dg, de, dbeta)) + (tuple(total(x) for x in squares),)
 
 
-def _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg):
-    """`_grad_pair_kernel`, grid (K/BK, chunks, B*Hv): dq, dk, dG with the pair terms added."""
+def _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg, de):
+    """`_grad_pair_kernel`, grid (K/BK, chunks, B*Hv): dq, dk with the pair terms added (in q's dtype when
+    every key head has one value head, else fp32 per value head) and d(log_decay) [B, Tp, Hv, K] fp32."""
     B, Tp, _, K = q.shape
     Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
     BK = min(cfg.pair_block_k, K)
@@ -1188,20 +1236,21 @@ def _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg):
         functools.partial(_grad_pair_kernel, cfg=cfg),
         grid=(K // BK, Tp // C, B * Hv),
         grid_order=cfg.grid_order,
-        in_specs=[key, key, channel, channel, gate] + [square] * len(squares) + [channel, channel, channel],
+        in_specs=[key, key, channel, channel, gate] + [square] * len(squares) + [channel] * 4,
         out_specs=[channel] * 3,
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, K), F32)] * 3,
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, K), q.dtype if G == 1 else F32)] * 2 + [
+            jax.ShapeDtypeStruct((B, Tp, Hv, K), F32)],
         compiler_params=_params(cfg.pair_warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_grads_pairs",
-    )(q, k, g, glo, beta, *squares, dq, dk, dg)
+    )(q, k, g, glo, beta, *squares, dq, dk, dg, de)
 
 
 def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do):
     dv, dq, dk, dg, de, dbeta, squares = _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r,
                                                   starts, dends, do)
-    dq, dk, dg = _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg)
-    return dq, dk, dv, dbeta, dg, de
+    dq, dk, dlog_decay = _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg, de)
+    return dq, dk, dv, dbeta, dlog_decay
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1354,22 +1403,15 @@ def _kda_bwd(cfg, residuals, cotangents):
     # kept alive from the forward to the backward.
     src = _source(cfg, q, k, g, glo, carry, tail, "backward")
     dh0, dends = _reverse_pass(cfg, src, beta, t, p, do, dfinal.astype(F32))
-    dq, dk, dv, dbeta, dg, de = _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends,
-                                       do)
+    dq, dk, dv, dbeta, dlog_decay = _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts,
+                                           dends, do)
     B, Tp, H, K = q.shape
-    Hv, C = cfg.value_heads, cfg.chunk_size
-    G = Hv // H
-    # One key head's gradient sums over its value heads.
-    dq = dq.reshape(B, Tp, H, G, K).sum(3)
-    dk = dk.reshape(B, Tp, H, G, K).sum(3)
-    # G_t = sum_{r <= t} log_decay_r inside a chunk: d(log_decay)_r = sum_{t >= r} dG_t (reverse cumsum), and
-    # E_s depends on the gates r > s: its share is sum_{s < r} de_s (the shifted cumsum, never cumsum - de).
-    chunks = lambda x: x.reshape(B, Tp // C, C, Hv, K)
-    dg, de = chunks(dg), chunks(de)
-    d_step = jnp.flip(jnp.cumsum(jnp.flip(dg, 2), axis=2), 2)
-    d_step = d_step + jnp.cumsum(jnp.pad(de[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0), (0, 0))), axis=2)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbeta.astype(beta.dtype),
-            d_step.reshape(B, Tp, Hv, K).astype(F32), None, None, None, dh0)
+    G = cfg.value_heads // H
+    if G > 1:  # one key head's gradient sums over its value heads (fp32 per value head from the pair kernel)
+        dq = dq.reshape(B, Tp, H, G, K).sum(3)
+        dk = dk.reshape(B, Tp, H, G, K).sum(3)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbeta.astype(beta.dtype), dlog_decay,
+            None, None, None, dh0)
 
 
 _kda.defvjp(_kda_fwd, _kda_bwd)

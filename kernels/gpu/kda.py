@@ -43,9 +43,11 @@ the index maps, never a repeated copy):
   same in 16 x 16 blocks from 16-row ref slices, the partner token read as a ref row), grid (chunks, B*Hv): (1)-(3)
   for one chunk, "partner" summing P and R over blocks of `Config.block_k` channels; writes P and T (C x C fp32
   each) and, for the backward, R (strict, same document).
+- `_gates_kernel` (`Config.cumsum="with_operands"`, default), grid (chunks, B*Hv): the compensated cumsum G of one
+  chunk (`_cumulative_kernel`'s rows) and, from the same numbers, the forward's stored operands below.
 - `_operands_kernel` (`Config.operands="stored"`, default), grid (K/BK, chunks, B*Hv): A (.) Q, A (.) K, E (.) K
-  (bf16 pairs for "split" products) and gamma for one chunk and BK channels, so that the passes below load dot
-  operands instead of forming them in every step; run again in the backward rather than saved.
+  (the bf16 parts each phase reads, for "split" products) and gamma for one chunk and BK channels, so that the
+  passes below load dot operands instead of forming them in every step; the backward's (formed again, not saved).
 - `_forward_kernel`, grid (V/BV, B*Hv): `fori_loop` over the chunks with the fp32 state block S[:, BV] (K x BV) in
   registers, (4)-(6); writes O, the final state and, for the backward, every chunk's start state.
   With `Config.forward="split"` instead: `_state_kernel` (same grid and loop, (4) and (6) only, always writing the
@@ -124,9 +126,10 @@ PARTNER_ROWS = ("gathered", "loaded")
 FORWARD_METHODS = ("fused", "split")
 # Where the sequential passes get a chunk's boundary operands A (.) Q, A (.) K, E (.) K and gamma. "inline": every
 # step forms them from q, k and the gates (two C x K exps, and for 16-bit inputs the bf16 pairs of three C x K fp32
-# tiles); "stored": `_operands_kernel` forms them once, chunk-parallel, and writes them (the bf16 pair (hi, lo) of
-# each for 16-bit inputs, fp32 otherwise), so the step only loads dot operands. The same values either way: the
-# products are unchanged. On the H100 every KDA kernel sat at 255 registers and spilled (docs/kernels.md).
+# tiles); "stored": `_operands_kernel` (or, in the forward, `_gates_kernel`) forms them once, chunk-parallel, and
+# writes them (bf16 parts for 16-bit inputs, only those each phase reads: `_operand_parts`; fp32 otherwise), so the
+# step only loads dot operands. The same values either way: the products are unchanged. With "inline" on the H100
+# every KDA kernel sat at 255 registers and spilled (docs/kernels.md).
 OPERAND_METHODS = ("inline", "stored")
 # Where the compensated in-chunk cumsum G = hi + lo of the log-decay is formed. "xla": `CumulativeLogDecay.of`
 # (0.74-0.92 ms at 8x2048x16x128 bf16 on the H100, 2026-11-25, for 134 MB in and 268 MB out); "kernel":
@@ -1437,8 +1440,9 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
     Register pressure sets the rest (H100, 8x2048x16x128 bf16, 2026-11-25, docs/kernels.md): stored operands
     (passes 3.6 -> 0.9 ms forward, 4.1 -> 1.1 ms reverse; one pipeline stage, two asked for more shared memory
     than there is), 32 channels per step of prepare (4.5 -> 2.9 ms) and per program of the pair gradients, 8 warps
-    for the V gradient kernel. The compensated cumsum of the gates is a kernel (`_cumulative_kernel`): the XLA form
-    took 0.74-0.92 ms for a memory floor near 0.16 ms."""
+    for the V gradient kernel, prepare at 2 warps (0.80 -> 0.69-0.74 ms, 2026-11-26). The compensated cumsum of the
+    gates is a kernel (the XLA form took 0.74-0.92 ms for a memory floor near 0.16 ms) that also writes the
+    forward's operands (`_gates_kernel`: 0.53-0.55 ms against 0.28 + 0.45 for the cumsum and the operand kernel)."""
     V = _pow2_at_least_16(v.shape[3])
     fp32 = jnp.dtype(q.dtype) == jnp.float32
     dots = "highest" if fp32 else "split"

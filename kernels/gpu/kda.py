@@ -684,6 +684,26 @@ def _n_source(cfg, phase):
     return 6 if cfg.operands == "inline" else sum(_operand_parts(cfg, phase)) + 1
 
 
+def _by_operand(tiles, parts):
+    """The stored tiles (refs) grouped per operand (A (.) Q, A (.) K, E (.) K), `parts` of each."""
+    groups, start = [], 0
+    for n in parts:
+        groups.append(tiles[start:start + n])
+        start += n
+    return groups
+
+
+def _store_parts(cfg, refs, index, x):
+    """Writes the fp32 operand x at `index` of its stored tiles: (hi, lo) as `_split_bf16`, hi alone, or x itself
+    without "split" products."""
+    if cfg.dots != "split":
+        refs[0][index] = x
+    elif len(refs) == 2:
+        refs[0][index], refs[1][index] = _split_bf16(x)
+    else:
+        refs[0][index] = x.astype(BF16)  # the hi of `_split_bf16`
+
+
 def _load_operands(cfg, geo, src, rows, gamma_rows, phase, *, with_q=True):
     """The operands of the chunk at `rows` (`gamma_rows`: its K entries of the stored gamma) from `src` refs."""
     if cfg.operands == "inline":
@@ -693,11 +713,8 @@ def _load_operands(cfg, geo, src, rows, gamma_rows, phase, *, with_q=True):
         qa = bound.a * q_ref[rows, :].astype(F32) if with_q else None
         return _ChunkOperands(qa, bound.a * k, bound.e * k, bound.gamma)
     *tiles, gamma_ref = src
-    ops, start = [], 0
-    for n in _operand_parts(cfg, phase):
-        refs = tiles[start:start + n]
-        start += n
-        ops.append(tuple(r[rows, :] for r in refs) if cfg.dots == "split" else refs[0][rows, :])
+    ops = [tuple(r[rows, :] for r in refs) if cfg.dots == "split" else refs[0][rows, :]
+           for refs in _by_operand(tiles, _operand_parts(cfg, phase))]
     return _ChunkOperands(ops[0] if with_q else None, ops[1], ops[2], gamma_ref[gamma_rows])
 
 
@@ -721,16 +738,8 @@ def _operands_kernel(q_ref, k_ref, g_ref, glo_ref, carry_ref, tail_ref, *out_ref
     q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
     bound = _boundary(geo, g_ref[...], glo_ref[...], carry_ref[...], tail_ref[...])
     *tiles, gamma_ref = out_refs
-    start = 0
-    for n, x in zip(parts, (bound.a * q, bound.a * k, bound.e * k)):
-        refs = tiles[start:start + n]
-        start += n
-        if cfg.dots != "split":
-            refs[0][...] = x
-        elif n == 2:
-            refs[0][...], refs[1][...] = _split_bf16(x)
-        else:
-            refs[0][...] = x.astype(BF16)  # the hi of `_split_bf16`
+    for refs, x in zip(_by_operand(tiles, parts), (bound.a * q, bound.a * k, bound.e * k)):
+        _store_parts(cfg, refs, ..., x)
     gamma_ref[...] = bound.gamma
 
 
@@ -1315,19 +1324,8 @@ def _gates_kernel(x_ref, q_ref, k_ref, carry_ref, tail_ref, hi_ref, lo_ref, *out
     gate, so a second loop runs the same additions again (the same hi and lo, bit for bit) and writes E (.) K."""
     C, K = x_ref.shape
     *tiles, gamma_ref = out_refs
-    groups, start = [], 0
-    for n in parts:
-        groups.append(tiles[start:start + n])
-        start += n
-    qa_refs, ak_refs, ke_refs = groups
-
-    def store(refs, row, x):
-        if cfg.dots != "split":
-            refs[0][row, :] = x
-        elif len(refs) == 2:
-            refs[0][row, :], refs[1][row, :] = _split_bf16(x)
-        else:
-            refs[0][row, :] = x.astype(BF16)  # the hi of `_split_bf16`
+    qa_refs, ak_refs, ke_refs = _by_operand(tiles, parts)
+    store = lambda refs, row, x: _store_parts(cfg, refs, (row, slice(None)), x)
 
     def add(r, hi, lo):
         """TwoSum of row r into the running (hi, lo), as `_cumulative_kernel`."""

@@ -190,6 +190,9 @@ class Config:
     state_dots: str = "split"  # (A.K) S_0, (A.Q) S_0, (E.K) dS, (A.Q)^T dO (TOLERANT_DOT_MODES)
     grad_k_dots: str = "split"  # the V gradient kernel's dO S_0^T and dx S_0^T (TOLERANT_DOT_MODES)
     span_limit: float | None = None  # chunks whose gate span is at most this take one reference (`_bounded_span`)
+    # Set by `_when_all_bounded` for the kernels of a call whose chunks all span at most `span_limit`: one reference
+    # everywhere, and the sub-chunk code is not compiled into them (its registers cost prepare ~0.1 ms).
+    all_bounded: bool = False
 
 
 def _masked_exp(mask, x):
@@ -278,9 +281,12 @@ def _reference_split(geo, g, glo, j):
 
 def _bounded_span(cfg, g_ref, glo_ref, cols):
     """Whether every channel in `cols` spans at most `cfg.span_limit` over the chunk (a traced bool); None when
-    there is no limit (`lax.cond` on a constant does not lower for Triton)."""
+    there is no limit (`lax.cond` on a constant does not lower for Triton), True when every chunk of the call is
+    known to be bounded (`Config.all_bounded`)."""
     if cfg.span_limit is None:
         return None
+    if cfg.all_bounded:
+        return True
     first, last = pl.ds(0, 1), pl.ds(cfg.chunk_size - 1, 1)
     span = (g_ref[first, cols] - g_ref[last, cols]) + (glo_ref[first, cols] - glo_ref[last, cols])
     return jnp.max(span) <= cfg.span_limit
@@ -541,7 +547,10 @@ def _prepare_partner_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_r
             return tuple(jnp.where(strict, _dot(a * to_end, k_from, tb=True, mode=cfg.dots), 0.0) for a in (q, k))
 
         sub_chunks = lambda: tuple(_pair_matrices(geo, (q, k), k, g, glo, cfg.dots, partner_rows))
-        p, r = sub_chunks() if bounded is None else lax.cond(bounded, one_reference, sub_chunks)
+        if bounded is None or bounded is True:
+            p, r = sub_chunks() if bounded is None else one_reference()
+        else:
+            p, r = lax.cond(bounded, one_reference, sub_chunks)
         # P_tt = q_t . k_t, decay exactly 1.
         p = p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
         return acc[0] + p, acc[1] + r
@@ -579,6 +588,21 @@ def _chunk_specs(cfg, K, V):
     )
 
 
+def _when_all_bounded(cfg, g, glo, call):
+    """`call(cfg)`, and with a span limit `call(cfg with all_bounded)` instead when every chunk of every channel
+    spans at most the limit (`_bounded_span`'s test, in XLA on the first and last rows of each chunk): chosen by
+    `lax.cond` at run time, so -20 gates anywhere still take the per-program switch."""
+    if cfg.span_limit is None or cfg.all_bounded:
+        return call(cfg)
+    B, Tp, Hv, K = g.shape
+    C = cfg.chunk_size
+    ends = lambda x: (x.reshape(B, Tp // C, C, Hv, K)[:, :, 0], x.reshape(B, Tp // C, C, Hv, K)[:, :, C - 1])
+    (g0, g1), (lo0, lo1) = ends(g), ends(glo)
+    every_chunk_bounded = jnp.max((g0 - g1) + (lo0 - lo1)) <= cfg.span_limit
+    return lax.cond(every_chunk_bounded, lambda: call(dataclasses.replace(cfg, all_bounded=True)),
+                    lambda: call(cfg))
+
+
 def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
     """(T, P), and R (strictly lower, same document) for the backward when `with_r`."""
     if cfg.inverse not in INVERSE_METHODS:
@@ -603,7 +627,7 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
     sp = _chunk_specs(cfg, K, K)
     square = jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)
     n_out = 3 if with_r else 2
-    return _chunk_parallel_call(
+    return _when_all_bounded(cfg, g, glo, lambda cfg: tuple(_chunk_parallel_call(
         functools.partial(_prepare_partner_kernel if cfg.prepare == "partner" else _prepare_blocks_kernel, cfg=cfg),
         grid=(Tp // C, B * Hv),
         grid_order=cfg.grid_order,
@@ -613,7 +637,7 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
         compiler_params=_params(cfg.prepare_warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_prepare",
-    )(q, k, g, glo, beta, doc)
+    )(q, k, g, glo, beta, doc)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1063,7 +1087,9 @@ def _grad_pair_kernel(*refs, cfg: Config):
     # refs: q, k, G hi, G lo, beta, dP, dM, dP^T, dM^T, the V kernel's dq, dk, dG, dE; then the outputs dq, dk,
     # d(log_decay).
     bounded = _bounded_span(cfg, refs[2], refs[3], slice(None))
-    if bounded is None:
+    if bounded is True:
+        _pair_grads_one_reference(*refs, cfg=cfg)
+    elif bounded is None:
         _pair_grads_sub_chunks(*refs, cfg=cfg)
     else:
         lax.cond(bounded, lambda: _pair_grads_one_reference(*refs, cfg=cfg),
@@ -1244,7 +1270,7 @@ def _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg, de):
     channel = pl.BlockSpec((None, C, None, BK), lambda kb, i, bh: (bh // Hv, i, bh % Hv, kb))
     square = pl.BlockSpec((None, C, None, C), lambda kb, i, bh: (bh // Hv, i, bh % Hv, 0))
     gate = pl.BlockSpec((None, C, None), lambda kb, i, bh: (bh // Hv, i, bh % Hv))
-    return _chunk_parallel_call(
+    return _when_all_bounded(cfg, g, glo, lambda cfg: tuple(_chunk_parallel_call(
         functools.partial(_grad_pair_kernel, cfg=cfg),
         grid=(K // BK, Tp // C, B * Hv),
         grid_order=cfg.grid_order,
@@ -1255,7 +1281,7 @@ def _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg, de):
         compiler_params=_params(cfg.pair_warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_grads_pairs",
-    )(q, k, g, glo, beta, *squares, dq, dk, dg, de)
+    )(q, k, g, glo, beta, *squares, dq, dk, dg, de)))
 
 
 def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do):

@@ -277,6 +277,30 @@ def test_one_reference_chunks_up_to_the_span_limit():
     assert not np.all(np.isfinite(np.asarray(o)))
 
 
+def test_calls_whose_chunks_are_all_bounded_skip_the_sub_chunk_code():
+    """`_when_all_bounded`: a call whose chunks all span at most the limit runs kernels built without the sub-chunk
+    scheme (`Config.all_bounded`); one -20 gate anywhere sends the call to the kernels with the per-program switch.
+    The choice itself, then the all-bounded call against the sub-chunk scheme (1e-5) and the scan (fp32 bounds)."""
+    x = _inputs(T=200, B=1, K=32, V=32)
+    B, T, Hv, K = x["log_decay"].shape
+    x["log_decay"] = -(kda_module.SPAN_LIMIT / 64) * jax.random.uniform(fresh_key(), (B, T, Hv, K), minval=0.9,
+                                                                         maxval=0.99)
+    cfg = default_config(x["q"], x["v"], scale=0.3, chunk_size=64, segmented=True, interpret=not ON_GPU)
+    Tp = 256
+    chosen = lambda log_decay: float(jax.jit(lambda g, glo: kda_module._when_all_bounded(
+        cfg, g, glo, lambda c: jnp.float32(c.all_bounded)))(*kda_module._cumulative(
+            dataclasses.replace(cfg, cumsum="kernel"), jnp.pad(log_decay, ((0, 0), (0, Tp - T), (0, 0), (0, 0))))))
+    assert chosen(x["log_decay"]) == 1.0
+    assert chosen(x["log_decay"].at[:, 150].set(-20.0)) == 0.0
+    results = {}
+    for name, limit in (("all_bounded", cfg.span_limit), ("sub_chunks", None)):
+        fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, span_limit=limit))
+        _check(x, FP32_OUT_TOL, _fp32_grad_tol, fn=fn, label=f"span-{name}")
+        results[name] = (_call(fn, x), _grads(fn, x))
+    for a, b in zip(jax.tree.leaves(results["all_bounded"]), jax.tree.leaves(results["sub_chunks"])):
+        assert relative_error(a, b) <= 1e-5, a.shape
+
+
 def test_cumulative_kernel_is_the_in_chunk_cumsum_to_twice_fp32():
     """`_cumulative_kernel` (hi + lo by TwoSum down each chunk's rows) against a float64 cumsum, on gates that mix
     -20 with ~-1e-6 (the case the split exists for): G to ~1e-12, and every difference of neighbours taken part by
@@ -565,13 +589,16 @@ def _expected_kernels(overrides=None):
     cfg = dict(_SHIPPED, **(overrides or {}))
     fwd, both = (3, 7) if cfg["operands"] == "stored" else (2, 5)
     fwd, both = (fwd + 1, both + 1) if cfg["forward"] == "split" else (fwd, both)
+    # With a span limit, prepare and the pair kernel are each lowered twice, with and without the sub-chunk scheme
+    # (`kda._when_all_bounded` picks one at run time).
+    fwd, both = (fwd + 1, both + 2) if cfg["span_limit"] is not None else (fwd, both)
     # "with_operands": one kernel writes the cumsum and the forward's operands (in place of the operand kernel).
     return (fwd + 1, both + 1) if cfg["cumsum"] == "kernel" else (fwd, both)
 
 
 _SHIPPED = {name: getattr(default_config(jnp.zeros((1, 64, 1, 128), jnp.bfloat16), jnp.zeros((1, 64, 1, 128),
                                          jnp.bfloat16), scale=0.1, chunk_size=64, segmented=False, interpret=False),
-                          name) for name in ("operands", "forward", "cumsum")}
+                          name) for name in ("operands", "forward", "cumsum", "span_limit")}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -54,7 +54,9 @@ VARIANTS = {
     "partner_gathered": dict(partner_rows="gathered"),
     "partner_loaded": dict(partner_rows="loaded"),
     "all_split": dict(state_dots="split", grad_k_dots="split"),  # no plain-bf16 products (the default before 11-25)
-    "sub_chunks_only": dict(span_limit=None),  # never one reference per chunk (kda.SPAN_LIMIT)
+    "sub_chunks_only": dict(span_limit=None),
+    # Only the per-program span switch: prepare and the pair kernel always carry the sub-chunk code (before 11-26).
+    "per_program_check": dict(call_span_check=False),  # never one reference per chunk (kda.SPAN_LIMIT)
     "bv16": dict(block_v=16),
     "bv32": dict(block_v=32),
     "warps2": dict(warps=2),

@@ -193,6 +193,8 @@ class Config:
     # Set by `_when_all_bounded` for the kernels of a call whose chunks all span at most `span_limit`: one reference
     # everywhere, and the sub-chunk code is not compiled into them (its registers cost prepare ~0.1 ms).
     all_bounded: bool = False
+    # Whether the call checks all its chunks at once (`_when_all_bounded`) before the per-program switch.
+    call_span_check: bool = True
 
 
 def _masked_exp(mask, x):
@@ -592,7 +594,7 @@ def _when_all_bounded(cfg, g, glo, call):
     """`call(cfg)`, and with a span limit `call(cfg with all_bounded)` instead when every chunk of every channel
     spans at most the limit (`_bounded_span`'s test, in XLA on the first and last rows of each chunk): chosen by
     `lax.cond` at run time, so -20 gates anywhere still take the per-program switch."""
-    if cfg.span_limit is None or cfg.all_bounded:
+    if cfg.span_limit is None or cfg.all_bounded or not cfg.call_span_check:
         return call(cfg)
     B, Tp, Hv, K = g.shape
     C = cfg.chunk_size

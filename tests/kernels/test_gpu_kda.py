@@ -591,14 +591,15 @@ def _expected_kernels(overrides=None):
     fwd, both = (fwd + 1, both + 1) if cfg["forward"] == "split" else (fwd, both)
     # With a span limit, prepare and the pair kernel are each lowered twice, with and without the sub-chunk scheme
     # (`kda._when_all_bounded` picks one at run time).
-    fwd, both = (fwd + 1, both + 2) if cfg["span_limit"] is not None else (fwd, both)
+    twice = cfg["span_limit"] is not None and cfg["call_span_check"]
+    fwd, both = (fwd + 1, both + 2) if twice else (fwd, both)
     # "with_operands": one kernel writes the cumsum and the forward's operands (in place of the operand kernel).
     return (fwd + 1, both + 1) if cfg["cumsum"] == "kernel" else (fwd, both)
 
 
 _SHIPPED = {name: getattr(default_config(jnp.zeros((1, 64, 1, 128), jnp.bfloat16), jnp.zeros((1, 64, 1, 128),
                                          jnp.bfloat16), scale=0.1, chunk_size=64, segmented=False, interpret=False),
-                          name) for name in ("operands", "forward", "cumsum", "span_limit")}
+                          name) for name in ("operands", "forward", "cumsum", "span_limit", "call_span_check")}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -635,6 +636,7 @@ CONFIG_VARIANTS = {
     "partner_rows_gathered": dict(partner_rows="gathered"),
     "all_split": ALL_SPLIT,
     "sub_chunks_only": dict(span_limit=None),
+    "per_program_check": dict(call_span_check=False),
 }
 
 

@@ -31,6 +31,7 @@ exp(G), tail exp(G_C - G), the chunk survival factor and the document masks are 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -56,6 +57,39 @@ SWIZZLE = 128  # bytes; rows of 64 bf16
 # (experiments/mosaic_precision.py): the state error of 2e-4 to 5e-4 measured there came from T's lo half, which
 # XLA had folded to zero (see `common.split_bf16_in_xla`), not from the accumulation.
 LO_ACCUMULATORS = ("shared", "separate")
+# K S_0 and Q S_0: "split" (S_0 as bf16 hi/lo, two wgmmas each) or "bf16" (S_0 rounded to bf16, one wgmma each; the
+# Triton kernels' `state_dots` default for bf16 inputs, within the bf16 bounds on correlated keys).
+STATE_DOTS = ("split", "bf16")
+# Where T's bf16 hi/lo come from: "kernel", written by the Triton inverse itself (`wy_chunk._inverse(pair=True)`);
+# "xla", the inverse writes fp32 T and XLA splits it (128 MiB more written and read at 8x2048x16x128).
+INVERSE_PAIRS = ("kernel", "xla")
+# The masked, decayed Q K^T as wgmma's A operand: "smem" (stored as hi/lo tiles; the only form the Mosaic GPU
+# interpreter runs) or "registers" (no SMEM round trip; lowered and run on the GPU only).
+P_OPERANDS = ("smem", "registers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Knobs of the Mosaic GPU pass that leave the math unchanged; `experiments/bench_mosaic_gpu.py` times them."""
+    lo_accumulators: str = "shared"  # LO_ACCUMULATORS
+    state_dots: str = "split"  # STATE_DOTS
+    inverse_pair: str = "kernel"  # INVERSE_PAIRS
+    p_operand: str = "smem"  # P_OPERANDS
+    # Form P while u = T diag(beta) y runs on the tensor cores (between issuing its wgmmas and reading them).
+    p_during_u: bool = True
+
+    def __post_init__(self):
+        for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
+                              ("inverse_pair", INVERSE_PAIRS), ("p_operand", P_OPERANDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+
+def default_config():
+    """The knobs as shipped (docs/mosaic.md has their measurements)."""
+    return Config()
+
+
 NO_BACKWARD = ("chunk_wy_mosaic has no backward yet: the Mosaic GPU path is forward only. Differentiate through "
                "deltajax.kernels.gpu.wy_chunk.chunk_wy (the Triton kernels) instead.")
 
@@ -109,40 +143,62 @@ def _cols(ref, m):
     return _wgmma_layout(lax.broadcast_in_dim(x, (m, ref.shape[0]), [1]))
 
 
-def _split_product(a_hi, a_lo, b_hi, b_lo, m, n, separate):
-    """a @ b with b an fp32 operand given as bf16 hi/lo SMEM tiles, and a one too or (a_lo None) a bf16 one:
-    hi*hi + hi*lo (+ lo*hi), the lo terms accumulated as `LO_ACCUMULATORS` says."""
+def _split_product(a_hi, a_lo, b_hi, b_lo, m, n, separate, while_running=None):
+    """a @ b with b an fp32 operand given as bf16 hi/lo SMEM tiles (b_lo None: b is bf16), and a one too or (a_lo
+    None) a bf16 one: hi*hi + hi*lo (+ lo*hi), the lo terms accumulated as `LO_ACCUMULATORS` says.
+    `while_running()` runs after the wgmmas are issued and before their result is read (register work that
+    overlaps the tensor cores); then the result is (a @ b, while_running())."""
 
     def lo_terms(acc_ref):
-        plgpu.wgmma(acc_ref, a_hi, b_lo)
+        if b_lo is not None:
+            plgpu.wgmma(acc_ref, a_hi, b_lo)
         if a_lo is not None:
             plgpu.wgmma(acc_ref, a_lo, b_hi)
+
+    def meanwhile():
+        return None if while_running is None else while_running()
 
     def shared(acc_ref):
         plgpu.wgmma(acc_ref, a_hi, b_hi)
         lo_terms(acc_ref)
-        return acc_ref[...]
+        other = meanwhile()
+        return acc_ref[...], other
 
     def apart(hi_ref, lo_ref):
         plgpu.wgmma(hi_ref, a_hi, b_hi)
         lo_terms(lo_ref)
-        return _wgmma_layout(hi_ref[...] + lo_ref[...])
+        other = meanwhile()
+        return _wgmma_layout(hi_ref[...] + lo_ref[...]), other
 
-    return pl.run_scoped(apart, _acc(m, n), _acc(m, n)) if separate else pl.run_scoped(shared, _acc(m, n))
+    has_lo = b_lo is not None or a_lo is not None
+    if separate and has_lo:
+        product, other = pl.run_scoped(apart, _acc(m, n), _acc(m, n))
+    else:
+        product, other = pl.run_scoped(shared, _acc(m, n))
+    return product if while_running is None else (product, other)
 
 
-def _forward_body(q_ref, k_ref, v_ref, t_hi_ref, t_lo_ref, vec_ref, doc_ref, survive_ref, h0_ref,
-                  o_ref, final_ref, s_hi, s_lo, x_hi, x_lo, u_hi, u_lo, p_hi, p_lo, o_smem, *,
-                  scale, nt, num_heads, segmented, lo_accumulators):
-    """One CTA: value head bh = b * Hv + h, V block j. vec_ref rows: G hi, G lo, beta, carry exp(G),
-    tail exp(G_C - G) (each (B*Hv, Tp)); doc_ref: the document index as fp32 (B, Tp); survive_ref: the chunk
-    survival factor repeated K times per chunk (B*Hv, nt*K).
+def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_ref, o_ref, final_ref, *scratch,
+                  scale, nt, num_heads, segmented, cfg):
+    """One CTA: value head bh = b * Hv + h, V block j. t_ref: T as bf16 (hi, lo) stacked on a leading axis
+    (2, B, Tp, Hv, C). vec_ref rows: G hi, G lo, beta, carry exp(G), tail exp(G_C - G) (each (B*Hv, Tp)); doc_ref:
+    the document index as fp32 (B, Tp); survive_ref: the chunk survival factor repeated K times per chunk
+    (B*Hv, nt*K). scratch: S_0 hi (and lo with "split" state products), two operand tiles as hi/lo, P as hi/lo (with
+    P from SMEM), the output tile.
 
     G and doc enter the pipeline twice, once for the rows and once for the columns of the C x C mask and decay:
     Mosaic GPU's layout inference finds no solution when one SMEM vector is loaded in both the row and the column
     layout (see docs/mosaic.md)."""
     C, K, BV = CHUNK, HEAD_DIM, BLOCK_V
-    separate = lo_accumulators == "separate"
+    separate = cfg.lo_accumulators == "separate"
+    split_state = cfg.state_dots == "split"
+    p_in_smem = cfg.p_operand == "smem"
+    scratch = list(scratch)
+    s_hi = scratch.pop(0)
+    s_lo = scratch.pop(0) if split_state else None
+    x_hi, x_lo, u_hi, u_lo = (scratch.pop(0) for _ in range(4))
+    p_hi, p_lo = (scratch.pop(0), scratch.pop(0)) if p_in_smem else (None, None)
+    (o_smem,) = scratch
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
@@ -154,14 +210,19 @@ def _forward_body(q_ref, k_ref, v_ref, t_hi_ref, t_lo_ref, vec_ref, doc_ref, sur
     def chunk(indices, q, k, v, t_hi, t_lo, g_hi, g_lo, beta, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c,
               s):
         (i,) = indices
-        _store_split(s, s_hi, s_lo)
+        if split_state:
+            _store_split(s, s_hi, s_lo)
+        else:
+            s_hi[...] = _wgmma_layout(_wgmma_layout(s).astype(BF16))
         plgpu.commit_smem()  # the generic-proxy stores must be visible to the wgmmas (async proxy)
 
         def state_products(ks_ref, qs_ref, qk_ref):
             plgpu.wgmma(ks_ref, k, s_hi)
-            plgpu.wgmma(ks_ref, k, s_lo)
+            if split_state:
+                plgpu.wgmma(ks_ref, k, s_lo)
             plgpu.wgmma(qs_ref, q, s_hi)
-            plgpu.wgmma(qs_ref, q, s_lo)
+            if split_state:
+                plgpu.wgmma(qs_ref, q, s_lo)
             plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
             return ks_ref[...], qs_ref[...], qk_ref[...]
 
@@ -181,25 +242,35 @@ def _forward_body(q_ref, k_ref, v_ref, t_hi_ref, t_lo_ref, vec_ref, doc_ref, sur
         _store_split(_rows(beta, BV) * y, x_hi, x_lo)
         plgpu.commit_smem()
 
-        u = _split_product(t_hi, t_lo, x_hi, x_lo, C, BV, separate)  # (4): u = T diag(beta) y
+        def decayed_scores():
+            # (5): the masked, decayed Q K^T. The gate difference is taken part by part so that near-1 decays after
+            # a large cumulative gate keep their fp32 accuracy, and masked before the exp so that it cannot overflow.
+            row = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=plgpu.Layout.WGMMA)
+            col = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=plgpu.Layout.WGMMA)
+            mask = row >= col
+            if segmented:
+                mask = mask & (_rows(doc, C) == _cols(doc_c, C))
+            diff = _wgmma_layout((_rows(g_hi, C) - _cols(g_hi_c, C)) + (_rows(g_lo, C) - _cols(g_lo_c, C)))
+            p = _wgmma_layout(qk * jnp.exp(jnp.where(mask, diff, -jnp.inf)))
+            if p_in_smem:  # the interpreter runs only SMEM operands of wgmma (see docs/mosaic.md)
+                _store_split(p, p_hi, p_lo)
+                return None  # (a run_scoped body must not return refs)
+            hi, lo = _split(p)
+            return _wgmma_layout(hi), _wgmma_layout(lo)
+
+        if cfg.p_during_u:  # (4): u = T diag(beta) y, with P formed while it runs
+            u, p_parts = _split_product(t_hi, t_lo, x_hi, x_lo, C, BV, separate, while_running=decayed_scores)
+        else:
+            u = _split_product(t_hi, t_lo, x_hi, x_lo, C, BV, separate)
+            p_parts = decayed_scores()
+        if p_in_smem:
+            p_parts = (p_hi, p_lo)
         _store_split(u, u_hi, u_lo)
         # x_* is free again (the wgmmas above have completed): it takes the state-update operand of (6).
         _store_split(_rows(to_end, BV) * u, x_hi, x_lo)
         plgpu.commit_smem()
 
-        # (5): the masked, decayed Q K^T. The gate difference is taken part by part so that near-1 decays after a
-        # large cumulative gate keep their fp32 accuracy, and masked before the exp so that it cannot overflow.
-        row = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=plgpu.Layout.WGMMA)
-        col = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=plgpu.Layout.WGMMA)
-        mask = row >= col
-        if segmented:
-            mask = mask & (_rows(doc, C) == _cols(doc_c, C))
-        diff = _wgmma_layout((_rows(g_hi, C) - _cols(g_hi_c, C)) + (_rows(g_lo, C) - _cols(g_lo_c, C)))
-        # P goes through SMEM: the interpreter runs only SMEM operands of wgmma (see docs/mosaic.md).
-        _store_split(qk * jnp.exp(jnp.where(mask, diff, -jnp.inf)), p_hi, p_lo)
-        plgpu.commit_smem()
-
-        o = _wgmma_layout(start_rows * qs + _split_product(p_hi, p_lo, u_hi, u_lo, C, BV, separate))
+        o = _wgmma_layout(start_rows * qs + _split_product(*p_parts, u_hi, u_lo, C, BV, separate))
 
         update = _split_product(k.transpose((1, 0)), None, x_hi, x_lo, K, BV, separate)  # (6)
         s_next = _wgmma_layout(_rows(survive, BV) * s + update)
@@ -223,28 +294,28 @@ def _forward_body(q_ref, k_ref, v_ref, t_hi_ref, t_lo_ref, vec_ref, doc_ref, sur
         max_concurrent_steps=MAX_CONCURRENT_STEPS,
         init_carry=s0,
     )
-    final = pipeline(q_ref.at[b, :, h, :], k_ref.at[b, :, h, :], v_ref.at[b, :, h, cols], t_hi_ref.at[b, :, h, :],
-                     t_lo_ref.at[b, :, h, :], vec_ref.at[0, bh], vec_ref.at[1, bh], vec_ref.at[2, bh],
+    final = pipeline(q_ref.at[b, :, h, :], k_ref.at[b, :, h, :], v_ref.at[b, :, h, cols], t_ref.at[0, b, :, h, :],
+                     t_ref.at[1, b, :, h, :], vec_ref.at[0, bh], vec_ref.at[1, bh], vec_ref.at[2, bh],
                      vec_ref.at[3, bh], vec_ref.at[4, bh], survive_ref.at[bh], vec_ref.at[0, bh], vec_ref.at[1, bh],
                      doc_ref.at[b], doc_ref.at[b])
     final_ref.at[b, h, :, cols][...] = final
     plgpu.wait_smem_to_gmem(0)
 
 
-def _forward_pass(q, k, v, t_hi, t_lo, vectors, doc, survive, h0, *, scale, segmented, interpret,
-                  lo_accumulators):
+def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, segmented, interpret):
     B, Tp, H, K = q.shape
     V = v.shape[-1]
-    body = functools.partial(_forward_body, scale=scale, nt=Tp // CHUNK, num_heads=H, segmented=segmented,
-                             lo_accumulators=lo_accumulators)
+    body = functools.partial(_forward_body, scale=scale, nt=Tp // CHUNK, num_heads=H, segmented=segmented, cfg=cfg)
+    state_tiles = 2 if cfg.state_dots == "split" else 1  # S_0 as hi (, lo)
+    p_tiles = 2 if cfg.p_operand == "smem" else 0  # the masked, decayed Q K^T as hi, lo
     return plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32)),
         scratch_types=(
-            _tiled((K, BLOCK_V)), _tiled((K, BLOCK_V)),  # S_0 as hi, lo
+            *[_tiled((K, BLOCK_V)) for _ in range(state_tiles)],
             _tiled((CHUNK, BLOCK_V)), _tiled((CHUNK, BLOCK_V)),  # diag(beta) y, then diag(tail exp(G_C - G)) u
             _tiled((CHUNK, BLOCK_V)), _tiled((CHUNK, BLOCK_V)),  # u as hi, lo
-            _tiled((CHUNK, CHUNK)), _tiled((CHUNK, CHUNK)),  # the masked, decayed Q K^T as hi, lo
+            *[_tiled((CHUNK, CHUNK)) for _ in range(p_tiles)],
             plgpu.SMEM((CHUNK, BLOCK_V), v.dtype),  # the output tile on its way to GMEM
         ),
         grid=(V // BLOCK_V, B * H),
@@ -252,21 +323,22 @@ def _forward_pass(q, k, v, t_hi, t_lo, vectors, doc, survive, h0, *, scale, segm
         compiler_params=plgpu.CompilerParams(),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
         kernel_name="wy_forward_mosaic",
-    )(q, k, v, t_hi, t_lo, vectors, doc, survive, h0)
+    )(q, k, v, t_pair, vectors, doc, survive, h0)
 
 
-def _prepare_and_run(q, k, v, beta, log_decay, doc, carry, tail, h0, *, scale, segmented, interpret,
-                     lo_accumulators):
-    """Padded inputs -> (o, final state). The chunk-parallel parts in XLA and Triton, the sequential pass in
-    Mosaic GPU."""
+def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segmented, interpret):
+    """The chunk-parallel parts before the pass, in XLA and Triton: T as a bf16 pair (2, B, Tp, H, C), the
+    per-token vectors (5, B*H, Tp), the document index as fp32 and the survival factors (B*H, nt*K)."""
     B, Tp, H, K = q.shape
     nt, C = Tp // CHUNK, CHUNK
-    cfg = wy_chunk.default_config(q, v, scale=scale, chunk_size=C, delta=True, segmented=segmented,
-                                  interpret=interpret)
-    g = wy_chunk._in_chunk_cumsum(cfg, log_decay)  # [hi, lo] x (B, Tp, H)
-    t = wy_chunk._inverse(cfg, k, beta, g, doc)  # (B, Tp, H, C) fp32
-    # Split in XLA: the plain x - f32(bf16(x)) is folded to 0 on the GPU (`common.split_bf16_in_xla`).
-    t_hi, t_lo = split_bf16_in_xla(t)
+    tcfg = wy_chunk.default_config(q, q, scale=scale, chunk_size=C, delta=True, segmented=segmented,
+                                   interpret=interpret)
+    g = wy_chunk._in_chunk_cumsum(tcfg, log_decay)  # [hi, lo] x (B, Tp, H)
+    if cfg.inverse_pair == "kernel":
+        t_pair = wy_chunk._inverse(tcfg, k, beta, g, doc, pair=True, fp32=False)  # (2, B, Tp, H, C) bf16
+    else:
+        # Split in XLA: the plain x - f32(bf16(x)) is folded to 0 on the GPU (`common.split_bf16_in_xla`).
+        t_pair = jnp.stack(split_bf16_in_xla(wy_chunk._inverse(tcfg, k, beta, g, doc)))
 
     hi, lo = (x.reshape(B, nt, C, H) for x in g)
     carry_c, tail_c = carry.reshape(B, nt, C, 1), tail.reshape(B, nt, C, 1)
@@ -276,15 +348,22 @@ def _prepare_and_run(q, k, v, beta, log_decay, doc, carry, tail, h0, *, scale, s
     heads_major = lambda x: jnp.moveaxis(x.reshape(B, Tp, H), 2, 1).reshape(B * H, Tp)
     vectors = jnp.stack([heads_major(x) for x in (hi, lo, beta, from_start, to_end)])  # (5, B*H, Tp)
     survive = jnp.broadcast_to(jnp.moveaxis(survive, 2, 1)[..., None], (B, H, nt, K)).reshape(B * H, nt * K)
-    return _forward_pass(q, k, v, t_hi, t_lo, vectors, doc.astype(F32), survive, h0, scale=scale,
-                         segmented=segmented, interpret=interpret, lo_accumulators=lo_accumulators)
+    return t_pair, vectors, doc.astype(F32), survive
+
+
+def _prepare_and_run(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, *, scale, segmented, interpret):
+    """Padded inputs -> (o, final state). The chunk-parallel parts in XLA and Triton, the sequential pass in
+    Mosaic GPU."""
+    inputs = _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, scale=scale, segmented=segmented,
+                          interpret=interpret)
+    return _forward_pass(cfg, q, k, v, *inputs, h0, scale=scale, segmented=segmented, interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _wy_mosaic(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
-    scale, segmented, interpret, lo_accumulators = static
-    return _prepare_and_run(q, k, v, beta, log_decay, doc, carry, tail, h0, scale=scale, segmented=segmented,
-                            interpret=interpret, lo_accumulators=lo_accumulators)
+    cfg, scale, segmented, interpret = static
+    return _prepare_and_run(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, scale=scale, segmented=segmented,
+                            interpret=interpret)
 
 
 def _wy_mosaic_fwd(static, *args):
@@ -328,15 +407,14 @@ def _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size):
 
 
 def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64, interpret=None,
-                    lo_accumulators="shared"):
+                    config=None):
     """Gated DeltaNet forward (o, final_state) with the sequential pass in Mosaic GPU; the signature of
     `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K = V = 128, Hv == H, scalar or no decay, any T, optional
     initial state and segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
-    kernel in the Mosaic GPU interpreter; `lo_accumulators` is one of `LO_ACCUMULATORS`. Forward only:
+    kernel in the Mosaic GPU interpreter; `config`: a `Config` (default `default_config()`). Forward only:
     differentiating it raises NotImplementedError."""
     _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size)
-    if lo_accumulators not in LO_ACCUMULATORS:
-        raise ValueError(f"lo_accumulators must be one of {LO_ACCUMULATORS}, got {lo_accumulators!r}")
+    cfg = default_config() if config is None else config
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     B, T, H, K = q.shape
@@ -354,6 +432,9 @@ def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_i
     carry = (chunks == before).astype(F32).reshape(B, nt * C)
     tail = (chunks == chunks[:, :, -1:]).astype(F32).reshape(B, nt * C)
     h0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
-    static = (float(scale), segment_ids is not None, bool(interpret), lo_accumulators)
+    if cfg.p_operand == "registers" and interpret:
+        raise ValueError("p_operand='registers' does not run in the Mosaic GPU interpreter (it takes wgmma's A from "
+                         "SMEM only); use 'smem' there")
+    static = (cfg, float(scale), segment_ids is not None, bool(interpret))
     o, final = _wy_mosaic(static, qp, kp, vp, beta_p, wy_chunk._pad_time(log_decay, pad), doc, carry, tail, h0)
     return o[:, :T], final

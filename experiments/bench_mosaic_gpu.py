@@ -1,0 +1,122 @@
+"""Times the Mosaic GPU forward of the Gated DeltaNet (`kernels/gpu/mosaic_wy.py`) piece by piece, for named config
+variants, next to the Triton forward (`impl="pallas"`) on the same inputs.
+
+    python experiments/bench_mosaic_gpu.py --sizes=8x2048x16x128 --variants=default,state_bf16
+    MOSAIC_GPU_DUMP_PTXAS=1 python experiments/bench_mosaic_gpu.py ...   # ptxas's register and spill counts too
+
+Columns (ms, marginal device time per call, `_timing.marginal_ms`): the chunk-parallel inputs of the pass (gates,
+the Triton inverse, the per-token vectors), the Mosaic pass alone, the whole forward, and the Triton forward. With
+--error_size, the relative errors of o and of the final state against the fp32 scan on the same bf16 inputs.
+bf16 q/k/v, K = V = 128, Hv = H, scalar decay, no documents, no initial state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import deltajax
+from deltajax.kernels.gpu import mosaic_wy
+from deltajax.rules.scan import recurrent_scan
+import _timing as timing  # experiments/
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (D must be 128).")
+flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
+flags.DEFINE_integer("iters", 20, "Calls per timing queue (`marginal_ms`).")
+flags.DEFINE_string("error_size", "", "BxTxHxD where each variant's error against the fp32 scan is measured.")
+flags.DEFINE_bool("triton", True, "Also time the Triton forward on the same inputs.")
+
+# Each variant overrides fields of `mosaic_wy.default_config()`.
+VARIANTS = {
+    "default": {},
+    "separate": dict(lo_accumulators="separate"),
+    "state_bf16": dict(state_dots="bf16"),
+    "state_split": dict(state_dots="split"),
+    "inverse_xla": dict(inverse_pair="xla"),
+    "p_registers": dict(p_operand="registers"),
+    "p_smem": dict(p_operand="smem"),
+    "p_after_u": dict(p_during_u=False),
+    "p_registers_state_bf16": dict(p_operand="registers", state_dots="bf16"),
+}
+
+
+def inputs(B, T, H, D, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(ks[0], (B, T, H, D)).astype(jnp.bfloat16)
+    k = jax.random.normal(ks[1], (B, T, H, D))
+    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, T, H, D)).astype(jnp.bfloat16)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
+    log_decay = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H)) + 3.0)
+    return q, k, v, beta, log_decay
+
+
+def config_of(name):
+    return dataclasses.replace(mosaic_wy.default_config(), **VARIANTS[name])
+
+
+def forward(cfg, D):
+    return jax.jit(lambda q, k, v, b, g: mosaic_wy.chunk_wy_mosaic(
+        q, k, v, b, g, scale=D ** -0.5, initial_state=None, segment_ids=None, config=cfg))
+
+
+def pieces(cfg, B, T, H, D, q, k, v, beta, log_decay):
+    """(inputs of the pass, the pass) as jitted functions of the padded-free inputs (T a multiple of 64)."""
+    doc = jnp.zeros((B, T), jnp.int32)
+    ones = jnp.ones((B, T), jnp.float32)
+    h0 = jnp.zeros((B, H, D, D), jnp.float32)
+    prepare = jax.jit(lambda q, k, b, g: mosaic_wy._pass_inputs(cfg, q, k, b, g, doc, ones, ones, scale=D ** -0.5,
+                                                                segmented=False, interpret=False))
+    run = jax.jit(lambda q, k, v, t, vec, d, surv: mosaic_wy._forward_pass(
+        cfg, q, k, v, t, vec, d, surv, h0, scale=D ** -0.5, segmented=False, interpret=False))
+    return prepare, run
+
+
+def errors(name):
+    B, T, H, D = (int(x) for x in FLAGS.error_size.split("x"))
+    q, k, v, beta, log_decay = inputs(B, T, H, D, seed=1)
+    o, s = forward(config_of(name), D)(q, k, v, beta, log_decay)
+    f32 = lambda x: x.astype(jnp.float32)
+    o_ref, s_ref = jax.jit(lambda *a: recurrent_scan(*a, scale=D ** -0.5, initial_state=None, segment_ids=None))(
+        f32(q), f32(k), f32(v), beta, log_decay)
+    rel = lambda x, r: float(np.linalg.norm(np.float64(x) - np.float64(r)) / np.linalg.norm(np.float64(r)))
+    return f"{rel(o, o_ref):.2e}, {rel(s, s_ref):.2e}"
+
+
+def main(argv):
+    del argv
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    header = ["size", "variant", "pass inputs", "mosaic pass", "mosaic fwd", "triton fwd"]
+    if FLAGS.error_size:
+        header.append(f"rel. error o, state ({FLAGS.error_size})")
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
+    ms = lambda fn, *a: timing.marginal_ms(fn, *a, iters=FLAGS.iters)
+    for size in FLAGS.sizes:
+        B, T, H, D = (int(x) for x in size.split("x"))
+        q, k, v, beta, log_decay = inputs(B, T, H, D)
+        triton = "-"
+        if FLAGS.triton:
+            fn = jax.jit(lambda *a: deltajax.gated_deltanet(*a, scale=D ** -0.5, impl="pallas")[0])
+            triton = f"{ms(fn, q, k, v, beta, log_decay):.3f}"
+        for name in FLAGS.variants:
+            try:
+                cfg = config_of(name)
+                prepare, run = pieces(cfg, B, T, H, D, q, k, v, beta, log_decay)
+                pass_inputs = prepare(q, k, beta, log_decay)
+                cells = [ms(prepare, q, k, beta, log_decay), ms(run, q, k, v, *pass_inputs),
+                         ms(forward(cfg, D), q, k, v, beta, log_decay)]
+                row = [size, name] + [f"{c:.3f}" for c in cells] + [triton]
+                if FLAGS.error_size:
+                    row.append(errors(name))
+            except Exception as e:  # a variant that fails to lower or run is reported, not fatal
+                row = [size, name, f"failed: {type(e).__name__}: {str(e)[:300]}"]
+            print("| " + " | ".join(row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

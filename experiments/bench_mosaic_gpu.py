@@ -41,7 +41,8 @@ VARIANTS = {
     "p_registers": dict(p_operand="registers"),
     "p_smem": dict(p_operand="smem"),
     "p_after_u": dict(p_during_u=False),
-    "p_registers_state_bf16": dict(p_operand="registers", state_dots="bf16"),
+    # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).
+    "previous": dict(state_dots="split", p_operand="smem", inverse_pair="xla", p_during_u=False),
 }
 
 

@@ -21,6 +21,7 @@ by `common.split_bf16_in_xla`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deltajax.kernels.gpu.mosaic_wy import HEAD_DIM, LO_ACCUMULATORS, Config, chunk_wy_mosaic
+from deltajax.kernels.gpu.mosaic_wy import HEAD_DIM, LO_ACCUMULATORS, chunk_wy_mosaic, default_config
 from deltajax.kernels.gpu.wy_chunk import chunk_wy
 from deltajax.rules.scan import recurrent_scan
 from _timing import times_ms  # experiments/
@@ -92,7 +93,8 @@ def main(argv):
             floor = _relative(o_ref.astype(jnp.bfloat16), o_ref)
             errors = []
             for lo_accumulators in LO_ACCUMULATORS:
-                o, s = _run(chunk_wy_mosaic, x, interpret=interpret, config=Config(lo_accumulators=lo_accumulators))
+                o, s = _run(chunk_wy_mosaic, x, interpret=interpret, config=dataclasses.replace(
+                    default_config(interpret), lo_accumulators=lo_accumulators))
                 errors += [_relative(o, o_ref), _relative(s, s_ref)]
             o, s = _run(chunk_wy, x, interpret=interpret)
             errors += [_relative(o, o_ref), _relative(s, s_ref)]
@@ -105,7 +107,8 @@ def _time(B, T, H):
     """Forward-pass medians (ms) of both Mosaic options and of the Triton pass on one input."""
     x = _inputs(jax.random.PRNGKey(0), B, T, H, True, True, False, 1.0)
     print(f"\n| forward pass, {B}x{T}x{H}x{HEAD_DIM} bf16 | median ms | min ms |\n|---|---:|---:|")
-    kernels = [(f"mosaic, {lo}", functools.partial(chunk_wy_mosaic, config=Config(lo_accumulators=lo)))
+    kernels = [(f"mosaic, {lo}", functools.partial(chunk_wy_mosaic,
+                                                      config=dataclasses.replace(default_config(), lo_accumulators=lo)))
                for lo in LO_ACCUMULATORS]
     for label, fn in kernels + [("triton", chunk_wy)]:
         step = jax.jit(lambda x, fn=fn: fn(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], scale=0.3,

@@ -49,7 +49,7 @@ def _check(x, tol=BF16_TOL, config=None, state_tol=STATE_TOL, fn=None):
     """x: bf16 q/k/v; the scan sees the same rounded values in fp32. fn: the kernel (default chunk_wy_mosaic with
     `config`). With "bf16" state products (S_0 rounded in K S_0 and Q S_0) the output carries that rounding too:
     only the bf16 bound applies to it and to the state."""
-    config = config or mosaic_wy.default_config()
+    config = config or mosaic_wy.default_config(interpret=not ON_GPU)
     o, s = _run(fn or functools.partial(chunk_wy_mosaic, config=config), x)
     reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
     o_ref, s_ref = _run(recurrent_scan, reference)
@@ -80,20 +80,28 @@ def test_packed_documents_without_decay_in_interpreter():
     _check(_bf16_inputs(fresh_key(), B=1, T=200, H=1, beta_max=2.0, decay="none", packed=True))
 
 
-# Configs the interpreter runs (P from SMEM), each differing from the default in one knob.
+# Configs the interpreter runs (P from SMEM), each differing from its default in one knob.
+_INTERPRETED = mosaic_wy.default_config(interpret=True)
 INTERPRETED_CONFIGS = {
-    "default": mosaic_wy.Config(),
-    "separate": mosaic_wy.Config(lo_accumulators="separate"),
-    "state_bf16": mosaic_wy.Config(state_dots="bf16"),
-    "inverse_xla": mosaic_wy.Config(inverse_pair="xla"),
-    "p_after_u": mosaic_wy.Config(p_during_u=False),
+    "default": _INTERPRETED,
+    "separate": dataclasses.replace(_INTERPRETED, lo_accumulators="separate"),
+    "state_split": dataclasses.replace(_INTERPRETED, state_dots="split"),
+    "inverse_xla": dataclasses.replace(_INTERPRETED, inverse_pair="xla"),
+    "p_after_u": dataclasses.replace(_INTERPRETED, p_during_u=False),
 }
-# And those that only lower and run on the GPU.
-GPU_CONFIGS = dict(INTERPRETED_CONFIGS, p_registers=mosaic_wy.Config(p_operand="registers"),
-                   p_registers_state_bf16=mosaic_wy.Config(p_operand="registers", state_dots="bf16"))
+# The compiled kernel's configs (lowered in CI, run on the GPU), around its default (P from registers).
+_COMPILED = mosaic_wy.default_config(interpret=False)
+GPU_CONFIGS = {
+    "default": _COMPILED,
+    "p_smem": dataclasses.replace(_COMPILED, p_operand="smem"),
+    "state_split": dataclasses.replace(_COMPILED, state_dots="split"),
+    "separate": dataclasses.replace(_COMPILED, lo_accumulators="separate"),
+    "inverse_xla": dataclasses.replace(_COMPILED, inverse_pair="xla"),
+    "p_after_u": dataclasses.replace(_COMPILED, p_during_u=False),
+}
 
 
-@pytest.mark.parametrize("config", ["default", "separate", "state_bf16"])
+@pytest.mark.parametrize("config", ["default", "separate", "state_split"])
 def test_correlated_keys_in_interpreter(config):
     """Keys = common vector + 0.02 noise (normalised), beta in [1.9, 2), decay near 0: T far from the identity."""
     key = fresh_key()

@@ -44,8 +44,6 @@ VARIANTS = {
     "direct": dict(output_store="direct"),
     "direct_one_stage": dict(output_store="direct", stages=1),  # ~110 KiB of SMEM: two CTAs per SM
     "one_stage": dict(stages=1),
-    "state_in_smem": dict(state_in_smem=True),
-    "state_in_smem_split": dict(state_in_smem=True, state_dots="split"),
     # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).
     "previous": dict(state_dots="split", p_operand="smem", inverse_pair="xla", p_during_u=False),
 }

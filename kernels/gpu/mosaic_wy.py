@@ -82,9 +82,6 @@ class Config:
     p_during_u: bool = True
     output_store: str = "tma"  # OUTPUT_STORES
     stages: int = MAX_CONCURRENT_STEPS  # chunks in flight in the TMA pipeline (1 or 2)
-    # Park the fp32 state in SMEM (32 KiB) from the top of the chunk until its update, so that its 64 registers per
-    # thread are free while the chunk's products are live (the kernel sits at 255 registers and spills).
-    state_in_smem: bool = False
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
@@ -209,7 +206,6 @@ def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_
     x_hi, x_lo, u_hi, u_lo = (scratch.pop(0) for _ in range(4))
     p_hi, p_lo = (scratch.pop(0), scratch.pop(0)) if p_in_smem else (None, None)
     o_smem = scratch.pop(0) if cfg.output_store == "tma" else None
-    s_parked = scratch.pop(0) if cfg.state_in_smem else None
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
@@ -225,8 +221,6 @@ def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_
             _store_split(s, s_hi, s_lo)
         else:
             s_hi[...] = _wgmma_layout(_wgmma_layout(s).astype(BF16))
-        if s_parked is not None:
-            s_parked[...] = _wgmma_layout(s)
         plgpu.commit_smem()  # the generic-proxy stores must be visible to the wgmmas (async proxy)
 
         def state_products(ks_ref, qs_ref, qk_ref):
@@ -286,8 +280,6 @@ def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_
         o = _wgmma_layout(start_rows * qs + _split_product(*p_parts, u_hi, u_lo, C, BV, separate))
 
         update = _split_product(k.transpose((1, 0)), None, x_hi, x_lo, K, BV, separate)  # (6)
-        if s_parked is not None:
-            s = plgpu.load(s_parked, layout=plgpu.Layout.WGMMA, optimized=False)
         s_next = _wgmma_layout(_rows(survive, BV) * s + update)
 
         o_tile = o_ref.at[b, pl.ds(i * C, C), h, cols]
@@ -337,7 +329,6 @@ def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, seg
             _tiled((CHUNK, BLOCK_V)), _tiled((CHUNK, BLOCK_V)),  # u as hi, lo
             *[_tiled((CHUNK, CHUNK)) for _ in range(p_tiles)],
             *([plgpu.SMEM((CHUNK, BLOCK_V), v.dtype)] if cfg.output_store == "tma" else []),  # the output tile
-            *([plgpu.SMEM((K, BLOCK_V), F32)] if cfg.state_in_smem else []),  # the fp32 state, parked
         ),
         grid=(V // BLOCK_V, B * H),
         grid_names=("v_block", "head"),

@@ -89,7 +89,6 @@ INTERPRETED_CONFIGS = {
     "inverse_xla": dataclasses.replace(_INTERPRETED, inverse_pair="xla"),
     "p_after_u": dataclasses.replace(_INTERPRETED, p_during_u=False),
     "direct_one_stage": dataclasses.replace(_INTERPRETED, output_store="direct", stages=1),
-    "state_in_smem": dataclasses.replace(_INTERPRETED, state_in_smem=True),
 }
 # The compiled kernel's configs (lowered in CI, run on the GPU), around its default (P from registers).
 _COMPILED = mosaic_wy.default_config(interpret=False)
@@ -102,7 +101,6 @@ GPU_CONFIGS = {
     "p_after_u": dataclasses.replace(_COMPILED, p_during_u=False),
     "direct_one_stage": dataclasses.replace(_COMPILED, output_store="direct", stages=1),
     "direct": dataclasses.replace(_COMPILED, output_store="direct"),
-    "state_in_smem": dataclasses.replace(_COMPILED, state_in_smem=True),
 }
 
 
@@ -120,7 +118,7 @@ def test_correlated_keys_in_interpreter(config):
     _check(x, config=INTERPRETED_CONFIGS[config], state_tol=CORRELATED_STATE_TOL)
 
 
-@pytest.mark.parametrize("config", ["inverse_xla", "p_after_u", "direct_one_stage", "state_in_smem"])
+@pytest.mark.parametrize("config", ["inverse_xla", "p_after_u", "direct_one_stage"])
 def test_configs_match_scan_in_interpreter(config):
     """The knobs that change where T's halves are formed or when P is, on packed documents with an initial state."""
     x = _bf16_inputs(fresh_key(), B=1, T=150, H=1, beta_max=2.0, packed=True, with_initial_state=True)

@@ -41,9 +41,6 @@ VARIANTS = {
     "p_registers": dict(p_operand="registers"),
     "p_smem": dict(p_operand="smem"),
     "p_after_u": dict(p_during_u=False),
-    "direct": dict(output_store="direct"),
-    "direct_one_stage": dict(output_store="direct", stages=1),  # ~110 KiB of SMEM: two CTAs per SM
-    "one_stage": dict(stages=1),
     # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).
     "previous": dict(state_dots="split", p_operand="smem", inverse_pair="xla", p_during_u=False),
 }

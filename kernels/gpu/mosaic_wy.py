@@ -66,9 +66,6 @@ INVERSE_PAIRS = ("kernel", "xla")
 # The masked, decayed Q K^T as wgmma's A operand: "smem" (stored as hi/lo tiles; the only form the Mosaic GPU
 # interpreter runs) or "registers" (no SMEM round trip; lowered and run on the GPU only).
 P_OPERANDS = ("smem", "registers")
-# How each chunk's output tile leaves: "tma" (through an SMEM tile and a bulk copy) or "direct" (stored from
-# registers to GMEM; 8 KiB less SMEM, which with one pipeline stage lets two CTAs share an SM).
-OUTPUT_STORES = ("tma", "direct")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +77,10 @@ class Config:
     p_operand: str = "registers"  # P_OPERANDS
     # Form P while u = T diag(beta) y runs on the tensor cores (between issuing its wgmmas and reading them).
     p_during_u: bool = True
-    output_store: str = "tma"  # OUTPUT_STORES
-    stages: int = MAX_CONCURRENT_STEPS  # chunks in flight in the TMA pipeline (1 or 2)
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
-                              ("inverse_pair", INVERSE_PAIRS), ("p_operand", P_OPERANDS),
-                              ("output_store", OUTPUT_STORES), ("stages", (1, 2))):
+                              ("inverse_pair", INVERSE_PAIRS), ("p_operand", P_OPERANDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
@@ -205,7 +199,7 @@ def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_
     s_lo = scratch.pop(0) if split_state else None
     x_hi, x_lo, u_hi, u_lo = (scratch.pop(0) for _ in range(4))
     p_hi, p_lo = (scratch.pop(0), scratch.pop(0)) if p_in_smem else (None, None)
-    o_smem = scratch.pop(0) if cfg.output_store == "tma" else None
+    (o_smem,) = scratch
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
@@ -282,14 +276,10 @@ def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_
         update = _split_product(k.transpose((1, 0)), None, x_hi, x_lo, K, BV, separate)  # (6)
         s_next = _wgmma_layout(_rows(survive, BV) * s + update)
 
-        o_tile = o_ref.at[b, pl.ds(i * C, C), h, cols]
-        if o_smem is None:
-            o_tile[...] = _wgmma_layout((scale * o).astype(o_ref.dtype))
-        else:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output has left o_smem
-            o_smem[...] = _wgmma_layout((scale * o).astype(o_smem.dtype))
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_tile)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output has left o_smem
+        o_smem[...] = _wgmma_layout((scale * o).astype(o_smem.dtype))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(i * C, C), h, cols])
         return s_next
 
     tiled = lambda shape, index: _tiled_spec(shape, index)
@@ -302,7 +292,7 @@ def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_
                   vector(), vector(), vector(), vector(), vector(),
                   plgpu.BlockSpec(block_shape=(K,), index_map=lambda i: (i,)),
                   vector(), vector(), vector(), vector()],
-        max_concurrent_steps=cfg.stages,
+        max_concurrent_steps=MAX_CONCURRENT_STEPS,
         init_carry=s0,
     )
     final = pipeline(q_ref.at[b, :, h, :], k_ref.at[b, :, h, :], v_ref.at[b, :, h, cols], t_ref.at[0, b, :, h, :],
@@ -310,8 +300,7 @@ def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_
                      vec_ref.at[3, bh], vec_ref.at[4, bh], survive_ref.at[bh], vec_ref.at[0, bh], vec_ref.at[1, bh],
                      doc_ref.at[b], doc_ref.at[b])
     final_ref.at[b, h, :, cols][...] = final
-    if o_smem is not None:
-        plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, segmented, interpret):
@@ -328,7 +317,7 @@ def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, seg
             _tiled((CHUNK, BLOCK_V)), _tiled((CHUNK, BLOCK_V)),  # diag(beta) y, then diag(tail exp(G_C - G)) u
             _tiled((CHUNK, BLOCK_V)), _tiled((CHUNK, BLOCK_V)),  # u as hi, lo
             *[_tiled((CHUNK, CHUNK)) for _ in range(p_tiles)],
-            *([plgpu.SMEM((CHUNK, BLOCK_V), v.dtype)] if cfg.output_store == "tma" else []),  # the output tile
+            plgpu.SMEM((CHUNK, BLOCK_V), v.dtype),  # the output tile on its way to GMEM
         ),
         grid=(V // BLOCK_V, B * H),
         grid_names=("v_block", "head"),

@@ -88,7 +88,6 @@ INTERPRETED_CONFIGS = {
     "state_split": dataclasses.replace(_INTERPRETED, state_dots="split"),
     "inverse_xla": dataclasses.replace(_INTERPRETED, inverse_pair="xla"),
     "p_after_u": dataclasses.replace(_INTERPRETED, p_during_u=False),
-    "direct_one_stage": dataclasses.replace(_INTERPRETED, output_store="direct", stages=1),
 }
 # The compiled kernel's configs (lowered in CI, run on the GPU), around its default (P from registers).
 _COMPILED = mosaic_wy.default_config(interpret=False)
@@ -99,8 +98,6 @@ GPU_CONFIGS = {
     "separate": dataclasses.replace(_COMPILED, lo_accumulators="separate"),
     "inverse_xla": dataclasses.replace(_COMPILED, inverse_pair="xla"),
     "p_after_u": dataclasses.replace(_COMPILED, p_during_u=False),
-    "direct_one_stage": dataclasses.replace(_COMPILED, output_store="direct", stages=1),
-    "direct": dataclasses.replace(_COMPILED, output_store="direct"),
 }
 
 
@@ -118,7 +115,7 @@ def test_correlated_keys_in_interpreter(config):
     _check(x, config=INTERPRETED_CONFIGS[config], state_tol=CORRELATED_STATE_TOL)
 
 
-@pytest.mark.parametrize("config", ["inverse_xla", "p_after_u", "direct_one_stage"])
+@pytest.mark.parametrize("config", ["inverse_xla", "p_after_u"])
 def test_configs_match_scan_in_interpreter(config):
     """The knobs that change where T's halves are formed or when P is, on packed documents with an initial state."""
     x = _bf16_inputs(fresh_key(), B=1, T=150, H=1, beta_max=2.0, packed=True, with_initial_state=True)
@@ -199,8 +196,7 @@ def test_unsupported_arguments_raise(change, argument):
                         initial_state=None, segment_ids=None, chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("field", ["lo_accumulators", "state_dots", "inverse_pair", "p_operand", "output_store",
-                                   "stages"])
+@pytest.mark.parametrize("field", ["lo_accumulators", "state_dots", "inverse_pair", "p_operand"])
 def test_unknown_config_values_raise(field):
     with pytest.raises(ValueError, match=f"{field} must be one of"):
         mosaic_wy.Config(**{field: "both"})

@@ -41,6 +41,9 @@ VARIANTS = {
     "p_registers": dict(p_operand="registers"),
     "p_smem": dict(p_operand="smem"),
     "p_after_u": dict(p_during_u=False),
+    "shared_head": dict(warpgroups=2),  # one CTA per head: two consumer warpgroups and a producer
+    "shared_head_separate": dict(warpgroups=2, lo_accumulators="separate"),
+    "shared_head_p_after_u": dict(warpgroups=2, p_during_u=False),
     # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).
     "previous": dict(state_dots="split", p_operand="smem", inverse_pair="xla", p_during_u=False),
 }

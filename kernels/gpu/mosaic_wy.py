@@ -50,6 +50,7 @@ HEAD_DIM = 128  # the only K and V supported
 CHUNK = 64  # the only chunk size supported
 BLOCK_V = 64  # BV: V columns of the state per CTA
 MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline
+PRODUCER_REGISTERS = 40  # per thread of the producer warpgroup (`Config.warpgroups=2`); the consumers get 232
 SWIZZLE = 128  # bytes; rows of 64 bf16
 # Where the hi*lo and lo*hi terms of a split product are accumulated: "shared", into the accumulator of hi*hi
 # (fewest registers); "separate", into an accumulator of their own, added to hi*hi in fp32 registers (as the
@@ -77,12 +78,19 @@ class Config:
     p_operand: str = "registers"  # P_OPERANDS
     # Form P while u = T diag(beta) y runs on the tensor cores (between issuing its wgmmas and reading them).
     p_during_u: bool = True
+    # 1: one warpgroup per CTA, grid (V/BV, B*Hv). 2: one CTA per value head, two consumer warpgroups (the two V
+    # halves) and a producer warpgroup (`_forward_body_shared_head`); compiled, it fits SMEM only with P from
+    # registers (P through SMEM, for the interpreter, asks 32 KiB more).
+    warpgroups: int = 1
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
-                              ("inverse_pair", INVERSE_PAIRS), ("p_operand", P_OPERANDS)):
+                              ("inverse_pair", INVERSE_PAIRS), ("p_operand", P_OPERANDS), ("warpgroups", (1, 2))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.warpgroups == 2 and self.state_dots != "bf16":
+            # Two consumers' S_0 lo tiles take the SMEM over the H100's 227 KiB (256,032 bytes asked).
+            raise ValueError(f"warpgroups=2 needs state_dots='bf16' (S_0 hi only), got {self.state_dots!r}")
 
 
 def default_config(interpret=False):
@@ -179,152 +187,232 @@ def _split_product(a_hi, a_lo, b_hi, b_lo, m, n, separate, while_running=None):
     return product if while_running is None else (product, other)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """One warpgroup's SMEM scratch: S_0 as bf16 hi (and lo), the operand tiles x and u as hi/lo (u None: u goes
+    through x, after x's product has completed), P as hi/lo (None: P from registers), the output tile."""
+    s_hi: object
+    s_lo: object
+    x_hi: object
+    x_lo: object
+    u_hi: object
+    u_lo: object
+    p_hi: object
+    p_lo: object
+    o_smem: object
+
+
+def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented):
+    """Equations (3)-(6) for one chunk and one state block S (K x BV, fp32 registers): writes the chunk's output
+    tile (through `tiles.o_smem` and a TMA to `o_tile`) and returns the next state. `inputs`: this chunk's SMEM refs
+    q, k (C x K), v (C x BV), T hi, T lo, then the vectors G hi, G lo, beta, carry exp(G), tail exp(G_C - G),
+    survive (K), G hi, G lo again and doc twice (rows and columns, see `_forward_body`)."""
+    C, K, BV = CHUNK, HEAD_DIM, BLOCK_V
+    q, k, v, t_hi, t_lo, g_hi, g_lo, beta, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c = inputs
+    separate = cfg.lo_accumulators == "separate"
+    split_state = cfg.state_dots == "split"
+    p_in_smem = tiles.p_hi is not None
+    s_hi, s_lo, x_hi, x_lo = tiles.s_hi, tiles.s_lo, tiles.x_hi, tiles.x_lo
+    if split_state:
+        _store_split(s, s_hi, s_lo)
+    else:
+        s_hi[...] = _wgmma_layout(_wgmma_layout(s).astype(BF16))
+    plgpu.commit_smem()  # the generic-proxy stores must be visible to the wgmmas (async proxy)
+
+    def state_products(ks_ref, qs_ref, qk_ref):
+        plgpu.wgmma(ks_ref, k, s_hi)
+        if split_state:
+            plgpu.wgmma(ks_ref, k, s_lo)
+        plgpu.wgmma(qs_ref, q, s_hi)
+        if split_state:
+            plgpu.wgmma(qs_ref, q, s_lo)
+        plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
+        return ks_ref[...], qs_ref[...], qk_ref[...]
+
+    def query_key_product(qk_ref):
+        plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
+        return qk_ref[...]
+
+    if separate:  # one product at a time: two accumulators live, not five
+        ks = _split_product(k, None, s_hi, s_lo, C, BV, True)
+        qs = _split_product(q, None, s_hi, s_lo, C, BV, True)
+        qk = pl.run_scoped(query_key_product, _acc(C, C))
+    else:  # all five wgmmas in flight before one wait
+        ks, qs, qk = pl.run_scoped(state_products, _acc(C, BV), _acc(C, BV), _acc(C, C))
+
+    start_rows = _rows(from_start, BV)
+    y = _wgmma_layout(plgpu.load(v, layout=plgpu.Layout.WGMMA).astype(F32) - start_rows * ks)  # (3)
+    _store_split(_rows(beta, BV) * y, x_hi, x_lo)
+    plgpu.commit_smem()
+
+    def decayed_scores():
+        # (5): the masked, decayed Q K^T. The gate difference is taken part by part so that near-1 decays after
+        # a large cumulative gate keep their fp32 accuracy, and masked before the exp so that it cannot overflow.
+        row = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=plgpu.Layout.WGMMA)
+        col = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=plgpu.Layout.WGMMA)
+        mask = row >= col
+        if segmented:
+            mask = mask & (_rows(doc, C) == _cols(doc_c, C))
+        diff = _wgmma_layout((_rows(g_hi, C) - _cols(g_hi_c, C)) + (_rows(g_lo, C) - _cols(g_lo_c, C)))
+        p = _wgmma_layout(qk * jnp.exp(jnp.where(mask, diff, -jnp.inf)))
+        if p_in_smem:  # the interpreter runs only SMEM operands of wgmma (see docs/mosaic.md)
+            _store_split(p, tiles.p_hi, tiles.p_lo)
+            return None  # (a run_scoped body must not return refs)
+        hi, lo = _split(p)
+        return _wgmma_layout(hi), _wgmma_layout(lo)
+
+    if cfg.p_during_u:  # (4): u = T diag(beta) y, with P formed while it runs
+        u, p_parts = _split_product(t_hi, t_lo, x_hi, x_lo, C, BV, separate, while_running=decayed_scores)
+    else:
+        u = _split_product(t_hi, t_lo, x_hi, x_lo, C, BV, separate)
+        p_parts = decayed_scores()
+    if p_in_smem:
+        p_parts = (tiles.p_hi, tiles.p_lo)
+    end_operand = lambda: _rows(to_end, BV) * u  # diag(tail exp(G_C - G)) u, the state-update operand of (6)
+    if tiles.u_hi is not None:
+        _store_split(u, tiles.u_hi, tiles.u_lo)
+        # x_* is free again (the wgmmas above have completed): it takes the state-update operand.
+        _store_split(end_operand(), x_hi, x_lo)
+        plgpu.commit_smem()
+        o = _wgmma_layout(start_rows * qs + _split_product(*p_parts, tiles.u_hi, tiles.u_lo, C, BV, separate))
+    else:  # one operand pair: u through x for P u, then (once P u has completed) the update operand
+        _store_split(u, x_hi, x_lo)
+        plgpu.commit_smem()
+        o = _wgmma_layout(start_rows * qs + _split_product(*p_parts, x_hi, x_lo, C, BV, separate))
+        _store_split(end_operand(), x_hi, x_lo)
+        plgpu.commit_smem()
+
+    update = _split_product(k.transpose((1, 0)), None, x_hi, x_lo, K, BV, separate)  # (6)
+    s_next = _wgmma_layout(_rows(survive, BV) * s + update)
+
+    o_smem = tiles.o_smem
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output has left o_smem
+    o_smem[...] = _wgmma_layout((scale * o).astype(o_smem.dtype))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_tile)
+    return s_next
+
+
+def _in_specs(block_v):
+    """The pipeline's BlockSpecs, in `_chunk_step`'s order of inputs (v's block is C x block_v)."""
+    C, K = CHUNK, HEAD_DIM
+    tiled = lambda shape: _tiled_spec(shape, lambda i: (i, 0))
+    vector = lambda n=C: plgpu.BlockSpec(block_shape=(n,), index_map=lambda i: (i,))
+    return [tiled((C, K)), tiled((C, K)), tiled((C, block_v)), tiled((C, C)), tiled((C, C)),
+            vector(), vector(), vector(), vector(), vector(), vector(K), vector(), vector(), vector(), vector()]
+
+
+def _pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b, h, bh, v_cols):
+    """The GMEM refs the pipeline walks for value head bh = b * Hv + h, in `_in_specs`' order."""
+    return (q_ref.at[b, :, h, :], k_ref.at[b, :, h, :], v_ref.at[b, :, h, v_cols], t_ref.at[0, b, :, h, :],
+            t_ref.at[1, b, :, h, :], vec_ref.at[0, bh], vec_ref.at[1, bh], vec_ref.at[2, bh], vec_ref.at[3, bh],
+            vec_ref.at[4, bh], survive_ref.at[bh], vec_ref.at[0, bh], vec_ref.at[1, bh], doc_ref.at[b], doc_ref.at[b])
+
+
 def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_ref, o_ref, final_ref, *scratch,
                   scale, nt, num_heads, segmented, cfg):
-    """One CTA: value head bh = b * Hv + h, V block j. t_ref: T as bf16 (hi, lo) stacked on a leading axis
-    (2, B, Tp, Hv, C). vec_ref rows: G hi, G lo, beta, carry exp(G), tail exp(G_C - G) (each (B*Hv, Tp)); doc_ref:
-    the document index as fp32 (B, Tp); survive_ref: the chunk survival factor repeated K times per chunk
-    (B*Hv, nt*K). scratch: S_0 hi (and lo with "split" state products), two operand tiles as hi/lo, P as hi/lo (with
-    P from SMEM), the output tile.
+    """One CTA of one warpgroup: value head bh = b * Hv + h, V block j. t_ref: T as bf16 (hi, lo) stacked on a
+    leading axis (2, B, Tp, Hv, C). vec_ref rows: G hi, G lo, beta, carry exp(G), tail exp(G_C - G) (each
+    (B*Hv, Tp)); doc_ref: the document index as fp32 (B, Tp); survive_ref: the chunk survival factor repeated K times
+    per chunk (B*Hv, nt*K). scratch: `_Tiles`' fields in order, those in use.
 
     G and doc enter the pipeline twice, once for the rows and once for the columns of the C x C mask and decay:
     Mosaic GPU's layout inference finds no solution when one SMEM vector is loaded in both the row and the column
     layout (see docs/mosaic.md)."""
-    C, K, BV = CHUNK, HEAD_DIM, BLOCK_V
-    separate = cfg.lo_accumulators == "separate"
-    split_state = cfg.state_dots == "split"
-    p_in_smem = cfg.p_operand == "smem"
-    scratch = list(scratch)
-    s_hi = scratch.pop(0)
-    s_lo = scratch.pop(0) if split_state else None
-    x_hi, x_lo, u_hi, u_lo = (scratch.pop(0) for _ in range(4))
-    p_hi, p_lo = (scratch.pop(0), scratch.pop(0)) if p_in_smem else (None, None)
-    (o_smem,) = scratch
+    tiles = _unpack_tiles(cfg, list(scratch), two_pairs=True)
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
-    cols = pl.ds(j * BV, BV)
+    cols = pl.ds(j * BLOCK_V, BLOCK_V)
 
     # The state block goes between GMEM and registers directly (once per CTA, not worth SMEM and a TMA).
     s0 = plgpu.load(h0_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
 
-    def chunk(indices, q, k, v, t_hi, t_lo, g_hi, g_lo, beta, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c,
-              s):
+    def chunk(indices, *inputs):
         (i,) = indices
-        if split_state:
-            _store_split(s, s_hi, s_lo)
-        else:
-            s_hi[...] = _wgmma_layout(_wgmma_layout(s).astype(BF16))
-        plgpu.commit_smem()  # the generic-proxy stores must be visible to the wgmmas (async proxy)
+        *inputs, s = inputs
+        o_tile = o_ref.at[b, pl.ds(i * CHUNK, CHUNK), h, cols]
+        return _chunk_step(cfg, tiles, inputs, s, o_tile, scale=scale, segmented=segmented)
 
-        def state_products(ks_ref, qs_ref, qk_ref):
-            plgpu.wgmma(ks_ref, k, s_hi)
-            if split_state:
-                plgpu.wgmma(ks_ref, k, s_lo)
-            plgpu.wgmma(qs_ref, q, s_hi)
-            if split_state:
-                plgpu.wgmma(qs_ref, q, s_lo)
-            plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
-            return ks_ref[...], qs_ref[...], qk_ref[...]
-
-        def query_key_product(qk_ref):
-            plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
-            return qk_ref[...]
-
-        if separate:  # one product at a time: two accumulators live, not five
-            ks = _split_product(k, None, s_hi, s_lo, C, BV, True)
-            qs = _split_product(q, None, s_hi, s_lo, C, BV, True)
-            qk = pl.run_scoped(query_key_product, _acc(C, C))
-        else:  # all five wgmmas in flight before one wait
-            ks, qs, qk = pl.run_scoped(state_products, _acc(C, BV), _acc(C, BV), _acc(C, C))
-
-        start_rows = _rows(from_start, BV)
-        y = _wgmma_layout(plgpu.load(v, layout=plgpu.Layout.WGMMA).astype(F32) - start_rows * ks)  # (3)
-        _store_split(_rows(beta, BV) * y, x_hi, x_lo)
-        plgpu.commit_smem()
-
-        def decayed_scores():
-            # (5): the masked, decayed Q K^T. The gate difference is taken part by part so that near-1 decays after
-            # a large cumulative gate keep their fp32 accuracy, and masked before the exp so that it cannot overflow.
-            row = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=plgpu.Layout.WGMMA)
-            col = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=plgpu.Layout.WGMMA)
-            mask = row >= col
-            if segmented:
-                mask = mask & (_rows(doc, C) == _cols(doc_c, C))
-            diff = _wgmma_layout((_rows(g_hi, C) - _cols(g_hi_c, C)) + (_rows(g_lo, C) - _cols(g_lo_c, C)))
-            p = _wgmma_layout(qk * jnp.exp(jnp.where(mask, diff, -jnp.inf)))
-            if p_in_smem:  # the interpreter runs only SMEM operands of wgmma (see docs/mosaic.md)
-                _store_split(p, p_hi, p_lo)
-                return None  # (a run_scoped body must not return refs)
-            hi, lo = _split(p)
-            return _wgmma_layout(hi), _wgmma_layout(lo)
-
-        if cfg.p_during_u:  # (4): u = T diag(beta) y, with P formed while it runs
-            u, p_parts = _split_product(t_hi, t_lo, x_hi, x_lo, C, BV, separate, while_running=decayed_scores)
-        else:
-            u = _split_product(t_hi, t_lo, x_hi, x_lo, C, BV, separate)
-            p_parts = decayed_scores()
-        if p_in_smem:
-            p_parts = (p_hi, p_lo)
-        _store_split(u, u_hi, u_lo)
-        # x_* is free again (the wgmmas above have completed): it takes the state-update operand of (6).
-        _store_split(_rows(to_end, BV) * u, x_hi, x_lo)
-        plgpu.commit_smem()
-
-        o = _wgmma_layout(start_rows * qs + _split_product(*p_parts, u_hi, u_lo, C, BV, separate))
-
-        update = _split_product(k.transpose((1, 0)), None, x_hi, x_lo, K, BV, separate)  # (6)
-        s_next = _wgmma_layout(_rows(survive, BV) * s + update)
-
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output has left o_smem
-        o_smem[...] = _wgmma_layout((scale * o).astype(o_smem.dtype))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(i * C, C), h, cols])
-        return s_next
-
-    tiled = lambda shape, index: _tiled_spec(shape, index)
-    vector = lambda: plgpu.BlockSpec(block_shape=(C,), index_map=lambda i: (i,))
-    pipeline = plgpu.emit_pipeline(
-        chunk,
-        grid=(nt,),
-        in_specs=[tiled((C, K), lambda i: (i, 0)), tiled((C, K), lambda i: (i, 0)),
-                  tiled((C, BV), lambda i: (i, 0)), tiled((C, C), lambda i: (i, 0)), tiled((C, C), lambda i: (i, 0)),
-                  vector(), vector(), vector(), vector(), vector(),
-                  plgpu.BlockSpec(block_shape=(K,), index_map=lambda i: (i,)),
-                  vector(), vector(), vector(), vector()],
-        max_concurrent_steps=MAX_CONCURRENT_STEPS,
-        init_carry=s0,
-    )
-    final = pipeline(q_ref.at[b, :, h, :], k_ref.at[b, :, h, :], v_ref.at[b, :, h, cols], t_ref.at[0, b, :, h, :],
-                     t_ref.at[1, b, :, h, :], vec_ref.at[0, bh], vec_ref.at[1, bh], vec_ref.at[2, bh],
-                     vec_ref.at[3, bh], vec_ref.at[4, bh], survive_ref.at[bh], vec_ref.at[0, bh], vec_ref.at[1, bh],
-                     doc_ref.at[b], doc_ref.at[b])
+    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(BLOCK_V),
+                                   max_concurrent_steps=MAX_CONCURRENT_STEPS, init_carry=s0)
+    final = pipeline(*_pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b, h, bh, cols))
     final_ref.at[b, h, :, cols][...] = final
     plgpu.wait_smem_to_gmem(0)
+
+
+def _forward_body_shared_head(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_ref, o_ref, final_ref,
+                              *scratch, scale, nt, num_heads, segmented, cfg):
+    """One CTA per value head: two consumer warpgroups, each with the state block of one half of V (BV = 64 of
+    128), and a producer warpgroup streaming the chunk inputs through TMA (`emit_pipeline_warp_specialized`).
+    q, k, T and the vectors are loaded once for both halves. Each consumer has its own scratch (a leading axis of
+    2 on every tile) with one operand pair x (to fit 227 KiB of SMEM), so u goes through x after T diag(beta) y."""
+    wg = lax.axis_index("wg")
+    tiles = _unpack_tiles(cfg, [ref.at[wg] for ref in scratch], two_pairs=False)
+    bh = lax.axis_index("head")
+    b, h = bh // num_heads, bh % num_heads
+    cols = pl.ds(wg * BLOCK_V, BLOCK_V)
+
+    def chunk(indices, *inputs):
+        (i,) = indices
+        *inputs, s = inputs
+        inputs[2] = inputs[2].at[:, cols]  # this warpgroup's half of v
+        o_tile = o_ref.at[b, pl.ds(i * CHUNK, CHUNK), h, cols]
+        return _chunk_step(cfg, tiles, inputs, s, o_tile, scale=scale, segmented=segmented)
+
+    def consumer(run_pipeline):
+        s0 = plgpu.load(h0_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+        final_ref.at[b, h, :, cols][...] = run_pipeline(s0)
+        plgpu.wait_smem_to_gmem(0)
+
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        chunk, grid=(nt,), in_specs=_in_specs(HEAD_DIM), max_concurrent_steps=MAX_CONCURRENT_STEPS,
+        memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=2, compute_context=consumer)
+    pipeline(*_pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b, h, bh, slice(None)))
+
+
+def _tile_shapes(cfg, two_pairs):
+    """`_Tiles`' fields in use, as (name, shape, tiled) in order."""
+    C, K, BV = CHUNK, HEAD_DIM, BLOCK_V
+    shapes = [("s_hi", (K, BV))] + ([("s_lo", (K, BV))] if cfg.state_dots == "split" else [])
+    shapes += [("x_hi", (C, BV)), ("x_lo", (C, BV))]
+    shapes += [("u_hi", (C, BV)), ("u_lo", (C, BV))] if two_pairs else []
+    shapes += [("p_hi", (C, C)), ("p_lo", (C, C))] if cfg.p_operand == "smem" else []
+    return [(name, shape, True) for name, shape in shapes] + [("o_smem", (C, BV), False)]
+
+
+def _unpack_tiles(cfg, scratch, two_pairs):
+    fields = dict.fromkeys(f.name for f in dataclasses.fields(_Tiles))
+    for (name, _, _), ref in zip(_tile_shapes(cfg, two_pairs), scratch, strict=True):
+        fields[name] = ref
+    return _Tiles(**fields)
+
+
+def _scratch_types(cfg, dtype, two_pairs, copies=None):
+    lead = () if copies is None else (copies,)
+    return tuple(_tiled(lead + shape) if tiled else plgpu.SMEM(lead + shape, dtype)
+                 for _, shape, tiled in _tile_shapes(cfg, two_pairs))
 
 
 def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, segmented, interpret):
     B, Tp, H, K = q.shape
     V = v.shape[-1]
-    body = functools.partial(_forward_body, scale=scale, nt=Tp // CHUNK, num_heads=H, segmented=segmented, cfg=cfg)
-    state_tiles = 2 if cfg.state_dots == "split" else 1  # S_0 as hi (, lo)
-    p_tiles = 2 if cfg.p_operand == "smem" else 0  # the masked, decayed Q K^T as hi, lo
-    return plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32)),
-        scratch_types=(
-            *[_tiled((K, BLOCK_V)) for _ in range(state_tiles)],
-            _tiled((CHUNK, BLOCK_V)), _tiled((CHUNK, BLOCK_V)),  # diag(beta) y, then diag(tail exp(G_C - G)) u
-            _tiled((CHUNK, BLOCK_V)), _tiled((CHUNK, BLOCK_V)),  # u as hi, lo
-            *[_tiled((CHUNK, CHUNK)) for _ in range(p_tiles)],
-            plgpu.SMEM((CHUNK, BLOCK_V), v.dtype),  # the output tile on its way to GMEM
-        ),
-        grid=(V // BLOCK_V, B * H),
-        grid_names=("v_block", "head"),
-        compiler_params=plgpu.CompilerParams(),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-        kernel_name="wy_forward_mosaic",
-    )(q, k, v, t_pair, vectors, doc, survive, h0)
+    common = dict(scale=scale, nt=Tp // CHUNK, num_heads=H, segmented=segmented, cfg=cfg)
+    out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32))
+    interpret = plgpu.InterpretGPUParams() if interpret else False
+    if cfg.warpgroups == 2:
+        kernel = plgpu.kernel(
+            functools.partial(_forward_body_shared_head, **common), out_type=out_type,
+            scratch_types=_scratch_types(cfg, v.dtype, two_pairs=False, copies=2), grid=(B * H,),
+            grid_names=("head",), num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(),
+            interpret=interpret, kernel_name="wy_forward_mosaic_shared_head")
+    else:
+        kernel = plgpu.kernel(
+            functools.partial(_forward_body, **common), out_type=out_type,
+            scratch_types=_scratch_types(cfg, v.dtype, two_pairs=True), grid=(V // BLOCK_V, B * H),
+            grid_names=("v_block", "head"), compiler_params=plgpu.CompilerParams(), interpret=interpret,
+            kernel_name="wy_forward_mosaic")
+    return kernel(q, k, v, t_pair, vectors, doc, survive, h0)
 
 
 def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segmented, interpret):

@@ -88,6 +88,7 @@ INTERPRETED_CONFIGS = {
     "state_split": dataclasses.replace(_INTERPRETED, state_dots="split"),
     "inverse_xla": dataclasses.replace(_INTERPRETED, inverse_pair="xla"),
     "p_after_u": dataclasses.replace(_INTERPRETED, p_during_u=False),
+    "shared_head": dataclasses.replace(_INTERPRETED, warpgroups=2),
 }
 # The compiled kernel's configs (lowered in CI, run on the GPU), around its default (P from registers).
 _COMPILED = mosaic_wy.default_config(interpret=False)
@@ -98,6 +99,7 @@ GPU_CONFIGS = {
     "separate": dataclasses.replace(_COMPILED, lo_accumulators="separate"),
     "inverse_xla": dataclasses.replace(_COMPILED, inverse_pair="xla"),
     "p_after_u": dataclasses.replace(_COMPILED, p_during_u=False),
+    "shared_head": dataclasses.replace(_COMPILED, warpgroups=2),
 }
 
 
@@ -115,9 +117,10 @@ def test_correlated_keys_in_interpreter(config):
     _check(x, config=INTERPRETED_CONFIGS[config], state_tol=CORRELATED_STATE_TOL)
 
 
-@pytest.mark.parametrize("config", ["inverse_xla", "p_after_u"])
+@pytest.mark.parametrize("config", ["inverse_xla", "p_after_u", "shared_head"])
 def test_configs_match_scan_in_interpreter(config):
-    """The knobs that change where T's halves are formed or when P is, on packed documents with an initial state."""
+    """The knobs that change where T's halves are formed, when P is, or how warpgroups share a head, on packed
+    documents with an initial state."""
     x = _bf16_inputs(fresh_key(), B=1, T=150, H=1, beta_max=2.0, packed=True, with_initial_state=True)
     _check(x, config=INTERPRETED_CONFIGS[config])
 
@@ -196,10 +199,15 @@ def test_unsupported_arguments_raise(change, argument):
                         initial_state=None, segment_ids=None, chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("field", ["lo_accumulators", "state_dots", "inverse_pair", "p_operand"])
+@pytest.mark.parametrize("field", ["lo_accumulators", "state_dots", "inverse_pair", "p_operand", "warpgroups"])
 def test_unknown_config_values_raise(field):
     with pytest.raises(ValueError, match=f"{field} must be one of"):
         mosaic_wy.Config(**{field: "both"})
+
+
+def test_shared_head_needs_bf16_state_products():
+    with pytest.raises(ValueError, match="warpgroups=2 needs state_dots='bf16'"):
+        mosaic_wy.Config(warpgroups=2, state_dots="split")
 
 
 def test_register_p_refuses_the_interpreter():

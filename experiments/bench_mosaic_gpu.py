@@ -6,7 +6,8 @@ variants, next to the Triton forward (`impl="pallas"`) on the same inputs.
 
 Columns (ms, marginal device time per call, `_timing.marginal_ms`): the chunk-parallel inputs of the pass (gates,
 the Triton inverse, the per-token vectors), the Mosaic pass alone, the whole forward, and the Triton forward. With
---error_size, the relative errors of o and of the final state against the fp32 scan on the same bf16 inputs.
+--error_size, the relative errors of o and of the final state against the fp32 scan on the same bf16 inputs
+(with the config timed at each size).
 bf16 q/k/v, K = V = 128, Hv = H, scalar decay, no documents, no initial state.
 """
 
@@ -31,7 +32,7 @@ flags.DEFINE_integer("iters", 20, "Calls per timing queue (`marginal_ms`).")
 flags.DEFINE_string("error_size", "", "BxTxHxD where each variant's error against the fp32 scan is measured.")
 flags.DEFINE_bool("triton", True, "Also time the Triton forward on the same inputs.")
 
-# Each variant overrides fields of `mosaic_wy.default_config()`.
+# Each variant overrides fields of `mosaic_wy.default_config(batch_heads=B * H)`.
 VARIANTS = {
     "default": {},
     "separate": dict(lo_accumulators="separate"),
@@ -41,6 +42,7 @@ VARIANTS = {
     "p_registers": dict(p_operand="registers"),
     "p_smem": dict(p_operand="smem"),
     "p_after_u": dict(p_during_u=False),
+    "one_warpgroup": dict(warpgroups=1),  # grid (V/BV, B*H), one warpgroup per CTA
     "shared_head": dict(warpgroups=2),  # one CTA per head: two consumer warpgroups and a producer
     "shared_head_separate": dict(warpgroups=2, lo_accumulators="separate"),
     "shared_head_p_after_u": dict(warpgroups=2, p_during_u=False),
@@ -60,8 +62,8 @@ def inputs(B, T, H, D, seed=0):
     return q, k, v, beta, log_decay
 
 
-def config_of(name):
-    return dataclasses.replace(mosaic_wy.default_config(), **VARIANTS[name])
+def config_of(name, batch_heads):
+    return dataclasses.replace(mosaic_wy.default_config(batch_heads=batch_heads), **VARIANTS[name])
 
 
 def forward(cfg, D):
@@ -81,10 +83,10 @@ def pieces(cfg, B, T, H, D, q, k, v, beta, log_decay):
     return prepare, run
 
 
-def errors(name):
+def errors(cfg):
     B, T, H, D = (int(x) for x in FLAGS.error_size.split("x"))
     q, k, v, beta, log_decay = inputs(B, T, H, D, seed=1)
-    o, s = forward(config_of(name), D)(q, k, v, beta, log_decay)
+    o, s = forward(cfg, D)(q, k, v, beta, log_decay)
     f32 = lambda x: x.astype(jnp.float32)
     o_ref, s_ref = jax.jit(lambda *a: recurrent_scan(*a, scale=D ** -0.5, initial_state=None, segment_ids=None))(
         f32(q), f32(k), f32(v), beta, log_decay)
@@ -109,14 +111,14 @@ def main(argv):
             triton = f"{ms(fn, q, k, v, beta, log_decay):.3f}"
         for name in FLAGS.variants:
             try:
-                cfg = config_of(name)
+                cfg = config_of(name, B * H)
                 prepare, run = pieces(cfg, B, T, H, D, q, k, v, beta, log_decay)
                 pass_inputs = prepare(q, k, beta, log_decay)
                 cells = [ms(prepare, q, k, beta, log_decay), ms(run, q, k, v, *pass_inputs),
                          ms(forward(cfg, D), q, k, v, beta, log_decay)]
                 row = [size, name] + [f"{c:.3f}" for c in cells] + [triton]
                 if FLAGS.error_size:
-                    row.append(errors(name))
+                    row.append(errors(cfg))
             except Exception as e:  # a variant that fails to lower or run is reported, not fatal
                 row = [size, name, f"failed: {type(e).__name__}: {str(e)[:300]}"]
             print("| " + " | ".join(row) + " |", flush=True)

@@ -205,6 +205,14 @@ def test_unknown_config_values_raise(field):
         mosaic_wy.Config(**{field: "both"})
 
 
+def test_default_config_shares_heads_from_the_threshold():
+    threshold = mosaic_wy.SHARED_HEAD_MIN_BATCH_HEADS
+    assert mosaic_wy.default_config(batch_heads=threshold).warpgroups == 2
+    assert mosaic_wy.default_config(batch_heads=threshold - 1).warpgroups == 1
+    assert mosaic_wy.default_config().warpgroups == 1
+    assert mosaic_wy.default_config(interpret=True, batch_heads=threshold).p_operand == "smem"
+
+
 def test_shared_head_needs_bf16_state_products():
     with pytest.raises(ValueError, match="warpgroups=2 needs state_dots='bf16'"):
         mosaic_wy.Config(warpgroups=2, state_dots="split")

@@ -6,7 +6,9 @@ Triton path: the compensated in-chunk gates G = hi + lo and the in-chunk inverse
 by a `plgpu.kernel` for Hopper:
 
 - grid (V/BV, B*Hv), one warpgroup per CTA; CTA (j, bh) owns the state block S[:, j*BV:(j+1)*BV] (K x BV, fp32,
-  in registers in the WGMMA layout) of value head bh and walks the chunks in order;
+  in registers in the WGMMA layout) of value head bh and walks the chunks in order. With many heads
+  (`Config.warpgroups=2`) one CTA per head instead: two consumer warpgroups own the two state blocks and a producer
+  warpgroup loads the chunk inputs once for both (`_forward_body_shared_head`);
 - the chunk inputs (q, k: C x K; v: C x BV; T as bf16 hi/lo: C x C; per-token scalars) stream through
   `plgpu.emit_pipeline` (TMA, double buffered); the state is the pipeline's carry;
 - every product is a wgmma with bf16 operands and an fp32 accumulator. fp32 operands (S_0, y, u, P, T) enter as

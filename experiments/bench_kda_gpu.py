@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from deltajax.kernels.gpu import kda
 import _timing as timing  # experiments/
+from _kernel_inputs import kernel_inputs  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = V = D, Hv = H).")
@@ -108,14 +109,7 @@ def median_ms(fn, *args, iters):
 
 
 def inputs(B, T, H, D, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    q = jax.random.normal(ks[0], (B, T, H, D)).astype(jnp.bfloat16)
-    k = jax.random.normal(ks[1], (B, T, H, D))
-    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
-    v = jax.random.normal(ks[2], (B, T, H, D)).astype(jnp.bfloat16)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
-    log_decay = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H, D)) + 3.0)
-    return q, k, v, beta, log_decay
+    return kernel_inputs(B, T, H, D, per_channel=True, seed=seed)
 
 
 def make_config(name, q, v, D):

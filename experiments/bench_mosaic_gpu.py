@@ -24,6 +24,7 @@ import deltajax
 from deltajax.kernels.gpu import mosaic_wy
 from deltajax.rules.scan import recurrent_scan
 import _timing as timing  # experiments/
+from _kernel_inputs import kernel_inputs  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (D must be 128).")
@@ -52,14 +53,7 @@ VARIANTS = {
 
 
 def inputs(B, T, H, D, seed=0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-    q = jax.random.normal(ks[0], (B, T, H, D)).astype(jnp.bfloat16)
-    k = jax.random.normal(ks[1], (B, T, H, D))
-    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
-    v = jax.random.normal(ks[2], (B, T, H, D)).astype(jnp.bfloat16)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
-    log_decay = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H)) + 3.0)
-    return q, k, v, beta, log_decay
+    return kernel_inputs(B, T, H, D, per_channel=False, seed=seed)
 
 
 def config_of(name, batch_heads):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from deltajax.kernels.gpu import wy_chunk
 import _timing  # experiments/
+from _kernel_inputs import kernel_inputs  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = V = D, Hv = H).")
@@ -157,14 +158,7 @@ VARIANTS = {
 
 
 def inputs(B, T, H, D):
-    ks = jax.random.split(jax.random.PRNGKey(0), 6)
-    q = jax.random.normal(ks[0], (B, T, H, D)).astype(jnp.bfloat16)
-    k = jax.random.normal(ks[1], (B, T, H, D))
-    k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
-    v = jax.random.normal(ks[2], (B, T, H, D)).astype(jnp.bfloat16)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
-    log_decay = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, H)) + 3.0)
-    return q, k, v, beta, log_decay
+    return kernel_inputs(B, T, H, D, per_channel=False)
 
 
 def variant_errors(cfg):

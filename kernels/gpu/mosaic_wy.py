@@ -88,6 +88,8 @@ class Config:
     # halves) and a producer warpgroup (`_forward_body_shared_head`); compiled, it fits SMEM only with P from
     # registers (P through SMEM, for the interpreter, asks 32 KiB more).
     warpgroups: int = 1
+    # Issue Q S_0 with P u at the end of the chunk instead of with K S_0 at its start (fewer live registers).
+    query_state_late: bool = False
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
@@ -229,26 +231,52 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented):
         s_hi[...] = _wgmma_layout(_wgmma_layout(s).astype(BF16))
     plgpu.commit_smem()  # the generic-proxy stores must be visible to the wgmmas (async proxy)
 
+    def query_state_product(qs_ref):
+        plgpu.wgmma(qs_ref, q, s_hi)
+        if split_state:
+            plgpu.wgmma(qs_ref, q, s_lo)
+
     def state_products(ks_ref, qs_ref, qk_ref):
         plgpu.wgmma(ks_ref, k, s_hi)
         if split_state:
             plgpu.wgmma(ks_ref, k, s_lo)
-        plgpu.wgmma(qs_ref, q, s_hi)
-        if split_state:
-            plgpu.wgmma(qs_ref, q, s_lo)
+        query_state_product(qs_ref)
         plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
         return ks_ref[...], qs_ref[...], qk_ref[...]
+
+    def key_products(ks_ref, qk_ref):
+        plgpu.wgmma(ks_ref, k, s_hi)
+        if split_state:
+            plgpu.wgmma(ks_ref, k, s_lo)
+        plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
+        return ks_ref[...], qk_ref[...]
 
     def query_key_product(qk_ref):
         plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
         return qk_ref[...]
 
-    if separate:  # one product at a time: two accumulators live, not five
+    qs = None
+    if cfg.query_state_late:  # Q S_0 issued with P u at the end: its accumulator is not live in between
+        ks, qk = pl.run_scoped(key_products, _acc(C, BV), _acc(C, C))
+    elif separate:  # one product at a time: two accumulators live, not five
         ks = _split_product(k, None, s_hi, s_lo, C, BV, True)
         qs = _split_product(q, None, s_hi, s_lo, C, BV, True)
         qk = pl.run_scoped(query_key_product, _acc(C, C))
     else:  # all five wgmmas in flight before one wait
         ks, qs, qk = pl.run_scoped(state_products, _acc(C, BV), _acc(C, BV), _acc(C, C))
+
+    def output(u_hi, u_lo):
+        """scale-free O of (5): carry exp(G) (.) Q S_0 + P u."""
+        if qs is not None:
+            return _wgmma_layout(start_rows * qs + _split_product(*p_parts, u_hi, u_lo, C, BV, separate))
+
+        def both(qs_ref):
+            query_state_product(qs_ref)
+            pu = _split_product(*p_parts, u_hi, u_lo, C, BV, separate)  # reading it waits for Q S_0 too
+            return qs_ref[...], pu
+
+        late_qs, pu = pl.run_scoped(both, _acc(C, BV))
+        return _wgmma_layout(start_rows * late_qs + pu)
 
     start_rows = _rows(from_start, BV)
     y = _wgmma_layout(plgpu.load(v, layout=plgpu.Layout.WGMMA).astype(F32) - start_rows * ks)  # (3)
@@ -284,11 +312,11 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented):
         # x_* is free again (the wgmmas above have completed): it takes the state-update operand.
         _store_split(end_operand(), x_hi, x_lo)
         plgpu.commit_smem()
-        o = _wgmma_layout(start_rows * qs + _split_product(*p_parts, tiles.u_hi, tiles.u_lo, C, BV, separate))
+        o = output(tiles.u_hi, tiles.u_lo)
     else:  # one operand pair: u through x for P u, then (once P u has completed) the update operand
         _store_split(u, x_hi, x_lo)
         plgpu.commit_smem()
-        o = _wgmma_layout(start_rows * qs + _split_product(*p_parts, x_hi, x_lo, C, BV, separate))
+        o = output(x_hi, x_lo)
         _store_split(end_operand(), x_hi, x_lo)
         plgpu.commit_smem()
 

@@ -89,7 +89,7 @@ INTERPRETED_CONFIGS = {
     "inverse_xla": dataclasses.replace(_INTERPRETED, inverse_pair="xla"),
     "p_after_u": dataclasses.replace(_INTERPRETED, p_during_u=False),
     "shared_head": dataclasses.replace(_INTERPRETED, warpgroups=2),
-    "query_state_late": dataclasses.replace(_INTERPRETED, query_state_late=True),
+    "query_state_early": dataclasses.replace(_INTERPRETED, query_state_late=False),
 }
 # The compiled kernel's configs (lowered in CI, run on the GPU), around its default (P from registers).
 _COMPILED = mosaic_wy.default_config(interpret=False)
@@ -101,8 +101,8 @@ GPU_CONFIGS = {
     "inverse_xla": dataclasses.replace(_COMPILED, inverse_pair="xla"),
     "p_after_u": dataclasses.replace(_COMPILED, p_during_u=False),
     "shared_head": dataclasses.replace(_COMPILED, warpgroups=2),
-    "shared_head_query_state_late": dataclasses.replace(_COMPILED, warpgroups=2, query_state_late=True),
-    "query_state_late_state_split": dataclasses.replace(_COMPILED, query_state_late=True, state_dots="split"),
+    "query_state_early": dataclasses.replace(_COMPILED, query_state_late=False),
+    "shared_head_query_state_early": dataclasses.replace(_COMPILED, warpgroups=2, query_state_late=False),
 }
 
 
@@ -120,7 +120,7 @@ def test_correlated_keys_in_interpreter(config):
     _check(x, config=INTERPRETED_CONFIGS[config], state_tol=CORRELATED_STATE_TOL)
 
 
-@pytest.mark.parametrize("config", ["inverse_xla", "p_after_u", "shared_head", "query_state_late"])
+@pytest.mark.parametrize("config", ["inverse_xla", "p_after_u", "shared_head", "query_state_early"])
 def test_configs_match_scan_in_interpreter(config):
     """The knobs that change where T's halves are formed, when P is, or how warpgroups share a head, on packed
     documents with an initial state."""

@@ -47,7 +47,7 @@ VARIANTS = {
     "shared_head": dict(warpgroups=2),  # one CTA per head: two consumer warpgroups and a producer
     "shared_head_separate": dict(warpgroups=2, lo_accumulators="separate"),
     "shared_head_p_after_u": dict(warpgroups=2, p_during_u=False),
-    "query_state_early": dict(query_state_late=False),  # Q S_0 with K S_0 (the default until 2026-11-26 06:00)
+    "query_state_early": dict(query_state_late=False),  # Q S_0 with K S_0 (the default until 2026-11-26 05:47)
     "one_warpgroup_query_state_early": dict(warpgroups=1, query_state_late=False),
     # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).
     "previous": dict(state_dots="split", p_operand="smem", inverse_pair="xla", p_during_u=False, warpgroups=1,

@@ -49,6 +49,12 @@ VARIANTS = {
     "shared_head_p_after_u": dict(warpgroups=2, p_during_u=False),
     "query_state_early": dict(query_state_late=False),  # Q S_0 with K S_0 (the default until 2026-11-26 05:47)
     "one_warpgroup_query_state_early": dict(warpgroups=1, query_state_late=False),
+    # Narrower state blocks (V/BV CTAs per head, one warpgroup each), for calls with few heads.
+    "block_v32": dict(warpgroups=1, block_v=32),
+    "block_v16": dict(warpgroups=1, block_v=16),
+    "block_v32_stages3": dict(warpgroups=1, block_v=32, stages=3),
+    "block_v16_stages3": dict(warpgroups=1, block_v=16, stages=3),
+    "block_v16_stages4": dict(warpgroups=1, block_v=16, stages=4),
     # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).
     "previous": dict(state_dots="split", p_operand="smem", inverse_pair="xla", p_during_u=False, warpgroups=1,
                      query_state_late=False),

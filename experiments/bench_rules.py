@@ -133,7 +133,7 @@ def main(argv):
                 print(f"| {impl} | {size} | unsupported: {error} | | | |")
                 continue
             bwd, bwd_text = None, ""
-            if dispatch.implementations(op)[name].forward_only:  # e.g. "mosaic": no backward to time
+            if dispatch.implementations(op)[name].forward_only:  # no backward to time
                 bwd_text = "forward only"
             elif FLAGS.backward:
                 loss = lambda q, k, v, b, g: jnp.sum(fn(q, k, v, b, g)[0].astype(jnp.float32) ** 2)

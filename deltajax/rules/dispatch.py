@@ -11,7 +11,8 @@ None for linear attention, `initial_state` is None or float32, `segment_ids` is 
 Kernels register themselves (`register`) with a `supports(RuleCall) -> bool` predicate. `impl="auto"` takes the
 registered implementation of highest priority whose predicate accepts the call and otherwise falls back to the
 chunked form; naming an implementation forces it and raises if it cannot take the call. Forward-only
-implementations (no backward) are never picked by "auto".
+implementations (no backward) are never picked by "auto"; one registered with `auto_when` is picked by "auto" only
+where that predicate also accepts the call (for example where it was measured faster than the next one).
 """
 
 from __future__ import annotations
@@ -50,18 +51,20 @@ class Implementation:
     supports: Callable[[RuleCall], bool]
     priority: int = 0
     forward_only: bool = False  # no backward: only ever used when named, never by "auto"
+    auto_when: Callable[[RuleCall], bool] | None = None  # where "auto" may pick it (None: wherever it `supports`)
 
 
 _REGISTRY: dict[str, dict[str, Implementation]] = {op: {} for op in OPS}
 
 
 def register(op: str, name: str, fn: Callable, supports: Callable[[RuleCall], bool], priority: int = 0,
-             forward_only: bool = False):
+             forward_only: bool = False, auto_when: Callable[[RuleCall], bool] | None = None):
     """Adds (or replaces) implementation `name` of `op`. A `forward_only` one (differentiating it raises) is run
-    only when named: "auto" cannot know whether the caller will take gradients."""
+    only when named: "auto" cannot know whether the caller will take gradients. `auto_when` narrows where "auto"
+    takes it (naming it still needs only `supports`)."""
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    _REGISTRY[op][name] = Implementation(name, fn, supports, priority, forward_only)
+    _REGISTRY[op][name] = Implementation(name, fn, supports, priority, forward_only, auto_when)
 
 
 def implementations(op: str) -> dict[str, Implementation]:
@@ -88,7 +91,7 @@ def select(op: str, impl: str, call: RuleCall) -> Implementation:
                          key=lambda i: -i.priority)
         for candidate in kernels:
             try:
-                ok = candidate.supports(call)
+                ok = candidate.supports(call) and (candidate.auto_when is None or candidate.auto_when(call))
             except Exception:  # a predicate that cannot decide declines: fail closed
                 ok = False
             if ok:

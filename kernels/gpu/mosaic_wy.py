@@ -28,7 +28,8 @@ Per chunk (C = 64, K = 128, BV = 64), with the wgmma shapes M x N x K:
 
 Inputs are bf16 q/k/v with K = V = 128 and Hv == H (no key-head sharing yet); the per-token scalars carry
 exp(G), tail exp(G_C - G), the chunk survival factor and the document masks are computed in XLA as in
-`wy_chunk.chunk_wy`. Forward only: the function is a `custom_vjp` whose backward raises.
+`wy_chunk.chunk_wy`. Differentiated (a `custom_vjp`), the call is the Triton path's: its forward pass with the
+states the backward reads, then its backward (the Mosaic GPU backward is not written yet).
 """
 
 from __future__ import annotations
@@ -50,14 +51,21 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 HEAD_DIM = 128  # the only K and V supported
 CHUNK = 64  # the only chunk size supported
-BLOCK_V = 64  # BV: V columns of the state per CTA
-MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline
+BLOCK_V = 64  # BV: V columns of the state per CTA by default (`Config.block_v`)
+BLOCK_VS = (16, 32, 64)
+# The default BV where V/32 CTAs per head fit one wave (B * Hv * 4 <= SM_COUNT). Pass / forward ms (2026-11-26,
+# `bench_mosaic_gpu.py`), BV 64 -> 32: H100, 2x8192x16x128 0.545 / 0.701 -> 0.428 / 0.587, 1x32768x16x128
+# 2.000 / 2.437 -> 1.638 / 1.927; H200, 4x4096x16x128 (256 CTAs at BV 32) 0.288 / 0.444 -> 0.441 / 0.592. BV 16
+# measured as BV 32 at 1x32768 (1.653) and twice as slow at 2x8192 (two waves).
+NARROW_BLOCK_V = 32
+SM_COUNT = 132  # H100 SXM and H200
+MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline by default (`Config.stages`)
 # Calls with at least this many value heads (B * Hv) run one CTA per head (`Config.warpgroups=2`). On the H100
 # (2026-11-26): 128 heads (8x2048x16), pass 0.314 -> 0.237 ms; 32 heads (2x8192x16), 0.583 -> 0.831 ms, 16 heads
 # (1x32768x16), 2.338 -> 3.329 ms: with fewer CTAs than SMs, two CTAs per head (one per V half) keep more SMs busy.
 SHARED_HEAD_MIN_BATCH_HEADS = 128
 PRODUCER_REGISTERS = 40  # per thread of the producer warpgroup (`Config.warpgroups=2`); the consumers get 232
-SWIZZLE = 128  # bytes; rows of 64 bf16
+SWIZZLE = 128  # bytes; rows of 64 bf16 (narrower tiles take the swizzle of their row: 64 bytes at BV = 32)
 # Where the hi*lo and lo*hi terms of a split product are accumulated: "shared", into the accumulator of hi*hi
 # (fewest registers); "separate", into an accumulator of their own, added to hi*hi in fp32 registers (as the
 # Triton kernels do, one tl.dot per term). On the H100 (2026-11-23 19:05) both gave the same errors to three digits
@@ -92,41 +100,57 @@ class Config:
     # warpgroup per CTA 0.317 -> 0.294 ms at 8x2048x16x128, 2.332 -> 2.120 at 1x32768x16x128; one CTA per head
     # 0.240 / 0.242 (H100, 2026-11-26).
     query_state_late: bool = True
+    # BV, the state columns per CTA with one warpgroup (`BLOCK_VS`): narrower blocks give V/BV CTAs per head, for
+    # calls with fewer heads than SMs, at the price of Q K^T and the decayed scores formed by each of them.
+    block_v: int = BLOCK_V
+    # Chunks in flight in the TMA pipeline (SMEM buffers per input); more than 2 fits SMEM only with BV < 64.
+    stages: int = MAX_CONCURRENT_STEPS
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
-                              ("inverse_pair", INVERSE_PAIRS), ("p_operand", P_OPERANDS), ("warpgroups", (1, 2))):
+                              ("inverse_pair", INVERSE_PAIRS), ("p_operand", P_OPERANDS), ("warpgroups", (1, 2)),
+                              ("block_v", BLOCK_VS), ("stages", (1, 2, 3, 4))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.warpgroups == 2 and self.state_dots != "bf16":
             # Two consumers' S_0 lo tiles take the SMEM over the H100's 227 KiB (256,032 bytes asked).
             raise ValueError(f"warpgroups=2 needs state_dots='bf16' (S_0 hi only), got {self.state_dots!r}")
+        if self.warpgroups == 2 and self.block_v != HEAD_DIM // 2:
+            raise ValueError(f"warpgroups=2 gives each consumer half of V: block_v must be {HEAD_DIM // 2}, got "
+                             f"{self.block_v}")
 
 
 def default_config(interpret=False, batch_heads=None):
     """The knobs as shipped (docs/mosaic.md, "Config knobs on the H100"): plain-bf16 state products and P from
     registers, which the interpreter cannot run, so there P goes through SMEM. With at least
-    `SHARED_HEAD_MIN_BATCH_HEADS` value heads in the call (B * Hv), one CTA per head with two consumer warpgroups."""
+    `SHARED_HEAD_MIN_BATCH_HEADS` value heads in the call (B * Hv), one CTA per head with two consumer warpgroups;
+    with few enough that V/32 CTAs per head fit one wave on `SM_COUNT` SMs, state blocks of 32 columns."""
     if interpret:
         return Config(p_operand="smem")
-    shared = batch_heads is not None and batch_heads >= SHARED_HEAD_MIN_BATCH_HEADS
-    return Config(warpgroups=2 if shared else 1)
+    if batch_heads is not None and batch_heads >= SHARED_HEAD_MIN_BATCH_HEADS:
+        return Config(warpgroups=2)
+    if batch_heads is not None and batch_heads * (HEAD_DIM // NARROW_BLOCK_V) <= SM_COUNT:
+        return Config(block_v=NARROW_BLOCK_V)
+    return Config()
 
 
-NO_BACKWARD = ("chunk_wy_mosaic has no backward yet: the Mosaic GPU path is forward only. Differentiate through "
-               "deltajax.kernels.gpu.wy_chunk.chunk_wy (the Triton kernels) instead.")
+def _swizzle(cfg):
+    """The one swizzle of every wgmma operand tile (wgmma takes A and B with equal swizzles): 128 bytes, or the
+    row of a narrower state block (64 bytes at BV = 32, 32 at BV = 16)."""
+    return min(SWIZZLE, cfg.block_v * jnp.dtype(BF16).itemsize)
 
 
-def _tiled(shape, dtype=BF16):
-    """An SMEM buffer laid out for wgmma operands (8-row tiles, 128-byte swizzle)."""
-    elems = SWIZZLE // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE)))
+def _wgmma_transforms(swizzle):
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _tiled_spec(block_shape, index_map):
-    elems = SWIZZLE // 2
-    return plgpu.BlockSpec(block_shape=block_shape, index_map=index_map,
-                           transforms=(plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE)))
+def _tiled(shape, swizzle):
+    """A bf16 SMEM buffer laid out for wgmma operands (8-row tiles, swizzled)."""
+    return plgpu.SMEM(shape, BF16, transforms=_wgmma_transforms(swizzle))
+
+
+def _tiled_spec(block_shape, index_map, swizzle):
+    return plgpu.BlockSpec(block_shape=block_shape, index_map=index_map, transforms=_wgmma_transforms(swizzle))
 
 
 def _acc(m, n):
@@ -221,7 +245,7 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented):
     tile (through `tiles.o_smem` and a TMA to `o_tile`) and returns the next state. `inputs`: this chunk's SMEM refs
     q, k (C x K), v (C x BV), T hi, T lo, then the vectors G hi, G lo, beta, carry exp(G), tail exp(G_C - G),
     survive (K), G hi, G lo again and doc twice (rows and columns, see `_forward_body`)."""
-    C, K, BV = CHUNK, HEAD_DIM, BLOCK_V
+    C, K, BV = CHUNK, HEAD_DIM, cfg.block_v
     q, k, v, t_hi, t_lo, g_hi, g_lo, beta, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c = inputs
     separate = cfg.lo_accumulators == "separate"
     split_state = cfg.state_dots == "split"
@@ -333,10 +357,10 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented):
     return s_next
 
 
-def _in_specs(block_v):
+def _in_specs(cfg, block_v):
     """The pipeline's BlockSpecs, in `_chunk_step`'s order of inputs (v's block is C x block_v)."""
     C, K = CHUNK, HEAD_DIM
-    tiled = lambda shape: _tiled_spec(shape, lambda i: (i, 0))
+    tiled = lambda shape: _tiled_spec(shape, lambda i: (i, 0), _swizzle(cfg))
     vector = lambda n=C: plgpu.BlockSpec(block_shape=(n,), index_map=lambda i: (i,))
     return [tiled((C, K)), tiled((C, K)), tiled((C, block_v)), tiled((C, C)), tiled((C, C)),
             vector(), vector(), vector(), vector(), vector(), vector(K), vector(), vector(), vector(), vector()]
@@ -363,7 +387,7 @@ def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
-    cols = pl.ds(j * BLOCK_V, BLOCK_V)
+    cols = pl.ds(j * cfg.block_v, cfg.block_v)
 
     # The state block goes between GMEM and registers directly (once per CTA, not worth SMEM and a TMA).
     s0 = plgpu.load(h0_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
@@ -374,8 +398,8 @@ def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_
         o_tile = o_ref.at[b, pl.ds(i * CHUNK, CHUNK), h, cols]
         return _chunk_step(cfg, tiles, inputs, s, o_tile, scale=scale, segmented=segmented)
 
-    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(BLOCK_V),
-                                   max_concurrent_steps=MAX_CONCURRENT_STEPS, init_carry=s0)
+    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(cfg, cfg.block_v),
+                                   max_concurrent_steps=cfg.stages, init_carry=s0)
     final = pipeline(*_pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b, h, bh, cols))
     final_ref.at[b, h, :, cols][...] = final
     plgpu.wait_smem_to_gmem(0)
@@ -391,7 +415,7 @@ def _forward_body_shared_head(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, surv
     tiles = _unpack_tiles(cfg, [ref.at[wg] for ref in scratch], two_pairs=False)
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
-    cols = pl.ds(wg * BLOCK_V, BLOCK_V)
+    cols = pl.ds(wg * cfg.block_v, cfg.block_v)
 
     def chunk(indices, *inputs):
         (i,) = indices
@@ -406,14 +430,14 @@ def _forward_body_shared_head(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, surv
         plgpu.wait_smem_to_gmem(0)
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        chunk, grid=(nt,), in_specs=_in_specs(HEAD_DIM), max_concurrent_steps=MAX_CONCURRENT_STEPS,
+        chunk, grid=(nt,), in_specs=_in_specs(cfg, HEAD_DIM), max_concurrent_steps=cfg.stages,
         memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=2, compute_context=consumer)
     pipeline(*_pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b, h, bh, slice(None)))
 
 
 def _tile_shapes(cfg, two_pairs):
     """`_Tiles`' fields in use, as (name, shape, tiled) in order."""
-    C, K, BV = CHUNK, HEAD_DIM, BLOCK_V
+    C, K, BV = CHUNK, HEAD_DIM, cfg.block_v
     shapes = [("s_hi", (K, BV))] + ([("s_lo", (K, BV))] if cfg.state_dots == "split" else [])
     shapes += [("x_hi", (C, BV)), ("x_lo", (C, BV))]
     shapes += [("u_hi", (C, BV)), ("u_lo", (C, BV))] if two_pairs else []
@@ -430,7 +454,7 @@ def _unpack_tiles(cfg, scratch, two_pairs):
 
 def _scratch_types(cfg, dtype, two_pairs, copies=None):
     lead = () if copies is None else (copies,)
-    return tuple(_tiled(lead + shape) if tiled else plgpu.SMEM(lead + shape, dtype)
+    return tuple(_tiled(lead + shape, _swizzle(cfg)) if tiled else plgpu.SMEM(lead + shape, dtype)
                  for _, shape, tiled in _tile_shapes(cfg, two_pairs))
 
 
@@ -449,7 +473,7 @@ def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, seg
     else:
         kernel = plgpu.kernel(
             functools.partial(_forward_body, **common), out_type=out_type,
-            scratch_types=_scratch_types(cfg, v.dtype, two_pairs=True), grid=(V // BLOCK_V, B * H),
+            scratch_types=_scratch_types(cfg, v.dtype, two_pairs=True), grid=(V // cfg.block_v, B * H),
             grid_names=("v_block", "head"), compiler_params=plgpu.CompilerParams(), interpret=interpret,
             kernel_name="wy_forward_mosaic")
     return kernel(q, k, v, t_pair, vectors, doc, survive, h0)
@@ -490,17 +514,19 @@ def _prepare_and_run(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, *, sca
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _wy_mosaic(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
-    cfg, scale, segmented, interpret = static
+    """The forward in Mosaic GPU. Differentiated, it is the Triton path's (`wy_chunk._wy`, same arguments): the
+    forward pass with the states the backward reads, then the Triton backward."""
+    cfg, _, scale, segmented, interpret = static
     return _prepare_and_run(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, scale=scale, segmented=segmented,
                             interpret=interpret)
 
 
 def _wy_mosaic_fwd(static, *args):
-    return _wy_mosaic(static, *args), None
+    return wy_chunk._wy_fwd(static[1], *args)
 
 
 def _wy_mosaic_bwd(static, residuals, cotangents):
-    raise NotImplementedError(NO_BACKWARD)
+    return wy_chunk._wy_bwd(static[1], residuals, cotangents)
 
 
 _wy_mosaic.defvjp(_wy_mosaic_fwd, _wy_mosaic_bwd)
@@ -540,8 +566,8 @@ def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_i
     """Gated DeltaNet forward (o, final_state) with the sequential pass in Mosaic GPU; the signature of
     `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K = V = 128, Hv == H, scalar or no decay, any T, optional
     initial state and segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
-    kernel in the Mosaic GPU interpreter; `config`: a `Config` (default `default_config()`). Forward only:
-    differentiating it raises NotImplementedError."""
+    kernel in the Mosaic GPU interpreter; `config`: a `Config` (default `default_config()`). Under differentiation
+    the Triton forward and backward run instead (`_wy_mosaic`)."""
     _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -554,6 +580,7 @@ def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_i
     # Padding tokens have k = 0, beta = 0 and no decay: they leave the state unchanged.
     qp, kp, vp = (wy_chunk._pad_time(x, pad) for x in (q, k, v))
     beta_p = wy_chunk._pad_time(beta.astype(F32), pad)
+    gated = log_decay is not None
     log_decay = jnp.zeros((B, T, H), F32) if log_decay is None else log_decay.astype(F32)
     doc = wy_chunk._pad_time(document_index(segment_ids, B, T), pad, mode="edge")
     chunks = doc.reshape(B, nt, C)
@@ -564,6 +591,9 @@ def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_i
     if cfg.p_operand == "registers" and interpret:
         raise ValueError("p_operand='registers' does not run in the Mosaic GPU interpreter (it takes wgmma's A from "
                          "SMEM only); use 'smem' there")
-    static = (cfg, float(scale), segment_ids is not None, bool(interpret))
+    triton_cfg = wy_chunk.default_config(q, v, scale=scale, chunk_size=C, delta=True,
+                                         segmented=segment_ids is not None, interpret=bool(interpret),
+                                         gated=gated)
+    static = (cfg, triton_cfg, float(scale), segment_ids is not None, bool(interpret))
     o, final = _wy_mosaic(static, qp, kp, vp, beta_p, wy_chunk._pad_time(log_decay, pad), doc, carry, tail, h0)
     return o[:, :T], final

@@ -126,6 +126,30 @@ def test_auto_skips_forward_only_kernels(x):
         dispatch._REGISTRY["delta_rule"].pop("test_forward_only")
 
 
+def test_auto_takes_a_kernel_only_where_auto_when_accepts(x):
+    """`auto_when` narrows where "auto" picks a kernel; named, the kernel needs only its `supports`."""
+    ran = []
+
+    def kernel(q, k, v, beta, log_decay, **kwargs):
+        ran.append(q.shape[1])
+        return dispatch.implementations("delta_rule")["scan"].fn(q, k, v, beta, log_decay, **kwargs)
+
+    T = x["q"].shape[1]
+    dispatch.register("delta_rule", "test_long_only", kernel, lambda call: True, priority=1000,
+                      auto_when=lambda call: call.seq_len > T)
+    try:
+        _call(x, impl="auto")
+        assert not ran
+        _call(x, impl="test_long_only")
+        assert ran == [T]
+        longer = {n: None if a is None else jnp.concatenate([a, a], axis=1) if n in ("q", "k", "v", "beta",
+                  "log_decay") else a for n, a in x.items()}
+        _call(longer, impl="auto")
+        assert ran == [T, 2 * T]
+    finally:
+        dispatch._REGISTRY["delta_rule"].pop("test_long_only")
+
+
 def test_return_final_state_false(x):
     o, s = deltajax.delta_rule(x["q"], x["k"], x["v"], x["beta"], return_final_state=False)
     assert s is None and o.shape == x["v"].shape

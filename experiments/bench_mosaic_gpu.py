@@ -32,6 +32,8 @@ flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
 flags.DEFINE_integer("iters", 20, "Calls per timing queue (`marginal_ms`).")
 flags.DEFINE_string("error_size", "", "BxTxHxD where each variant's error against the fp32 scan is measured.")
 flags.DEFINE_bool("triton", True, "Also time the Triton forward on the same inputs.")
+flags.DEFINE_bool("residuals", False, "Also time the forward as differentiation runs it (`jax.vjp`: the outputs and "
+                  "the residuals of the backward), for the variant and for the Triton path.")
 
 # Each variant overrides fields of `mosaic_wy.default_config(batch_heads=B * H)`.
 VARIANTS = {
@@ -55,6 +57,7 @@ VARIANTS = {
     "block_v32_stages3": dict(warpgroups=1, block_v=32, stages=3),
     "block_v16_stages3": dict(warpgroups=1, block_v=16, stages=3),
     "block_v16_stages4": dict(warpgroups=1, block_v=16, stages=4),
+    "triton_forward": dict(saves_states=False),  # differentiated: the Triton forward pass instead
     # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).
     "previous": dict(state_dots="split", p_operand="smem", inverse_pair="xla", p_during_u=False, warpgroups=1,
                      query_state_late=False),
@@ -86,6 +89,11 @@ def pieces(cfg, B, T, H, D, q, k, v, beta, log_decay):
     return prepare, run
 
 
+def with_residuals(fn):
+    """`jax.vjp` of the call, jitted: the forward under differentiation, residuals included (returned, so kept)."""
+    return jax.jit(lambda *a: jax.vjp(lambda *x: fn(*x), *a))
+
+
 def errors(cfg):
     B, T, H, D = (int(x) for x in FLAGS.error_size.split("x"))
     q, k, v, beta, log_decay = inputs(B, T, H, D, seed=1)
@@ -101,6 +109,8 @@ def main(argv):
     del argv
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
     header = ["size", "variant", "pass inputs", "mosaic pass", "mosaic fwd", "triton fwd"]
+    if FLAGS.residuals:
+        header += ["mosaic fwd with residuals", "triton fwd with residuals"]
     if FLAGS.error_size:
         header.append(f"rel. error o, state ({FLAGS.error_size})")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
@@ -108,10 +118,12 @@ def main(argv):
     for size in FLAGS.sizes:
         B, T, H, D = (int(x) for x in size.split("x"))
         q, k, v, beta, log_decay = inputs(B, T, H, D)
-        triton = "-"
+        triton, triton_residuals = "-", "-"
+        triton_call = lambda *a: deltajax.gated_deltanet(*a, scale=D ** -0.5, impl="pallas")
         if FLAGS.triton:
-            fn = jax.jit(lambda *a: deltajax.gated_deltanet(*a, scale=D ** -0.5, impl="pallas")[0])
-            triton = f"{ms(fn, q, k, v, beta, log_decay):.3f}"
+            triton = f"{ms(jax.jit(lambda *a: triton_call(*a)[0]), q, k, v, beta, log_decay):.3f}"
+        if FLAGS.residuals:
+            triton_residuals = f"{ms(with_residuals(triton_call), q, k, v, beta, log_decay):.3f}"
         for name in FLAGS.variants:
             try:
                 cfg = config_of(name, B * H)
@@ -120,6 +132,10 @@ def main(argv):
                 cells = [ms(prepare, q, k, beta, log_decay), ms(run, q, k, v, *pass_inputs),
                          ms(forward(cfg, D), q, k, v, beta, log_decay)]
                 row = [size, name] + [f"{c:.3f}" for c in cells] + [triton]
+                if FLAGS.residuals:
+                    call = lambda *a: mosaic_wy.chunk_wy_mosaic(*a, scale=D ** -0.5, initial_state=None,
+                                                                segment_ids=None, config=cfg)
+                    row += [f"{ms(with_residuals(call), q, k, v, beta, log_decay):.3f}", triton_residuals]
                 if FLAGS.error_size:
                     row.append(errors(cfg))
             except Exception as e:  # a variant that fails to lower or run is reported, not fatal

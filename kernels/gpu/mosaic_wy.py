@@ -6,7 +6,8 @@ Triton path: the compensated in-chunk gates G = hi + lo and the in-chunk inverse
 by a `plgpu.kernel` for Hopper:
 
 - grid (V/BV, B*Hv), one warpgroup per CTA; CTA (j, bh) owns the state block S[:, j*BV:(j+1)*BV] (K x BV, fp32,
-  in registers in the WGMMA layout) of value head bh and walks the chunks in order. With many heads
+  in registers in the WGMMA layout) of value head bh and walks the chunks in order (BV = 64, or 32 for few heads:
+  `Config.block_v`; every operand tile then takes the swizzle of a 32-column row, 64 bytes). With many heads
   (`Config.warpgroups=2`) one CTA per head instead: two consumer warpgroups own the two state blocks and a producer
   warpgroup loads the chunk inputs once for both (`_forward_body_shared_head`);
 - the chunk inputs (q, k: C x K; v: C x BV; T as bf16 hi/lo: C x C; per-token scalars) stream through
@@ -105,6 +106,9 @@ class Config:
     block_v: int = BLOCK_V
     # Chunks in flight in the TMA pipeline (SMEM buffers per input); more than 2 fits SMEM only with BV < 64.
     stages: int = MAX_CONCURRENT_STEPS
+    # Differentiated, the Mosaic pass runs and also writes the residuals of the Triton backward (each chunk's start
+    # state, bf16, and u, fp32); False: the Triton forward pass with states runs instead.
+    saves_states: bool = True
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
@@ -240,11 +244,12 @@ class _Tiles:
     o_smem: object
 
 
-def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented):
+def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented, saved=None):
     """Equations (3)-(6) for one chunk and one state block S (K x BV, fp32 registers): writes the chunk's output
     tile (through `tiles.o_smem` and a TMA to `o_tile`) and returns the next state. `inputs`: this chunk's SMEM refs
     q, k (C x K), v (C x BV), T hi, T lo, then the vectors G hi, G lo, beta, carry exp(G), tail exp(G_C - G),
-    survive (K), G hi, G lo again and doc twice (rows and columns, see `_forward_body`)."""
+    survive (K), G hi, G lo again and doc twice (rows and columns, see `_forward_body`). `saved`: None, or the GMEM
+    tiles (start state, u) where the chunk's start state (bf16, as the Triton backward reads it) and u (fp32) go."""
     C, K, BV = CHUNK, HEAD_DIM, cfg.block_v
     q, k, v, t_hi, t_lo, g_hi, g_lo, beta, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c = inputs
     separate = cfg.lo_accumulators == "separate"
@@ -256,6 +261,10 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented):
     else:
         s_hi[...] = _wgmma_layout(_wgmma_layout(s).astype(BF16))
     plgpu.commit_smem()  # the generic-proxy stores must be visible to the wgmmas (async proxy)
+    if saved is not None:
+        # bf16(S_0) is S_0's hi half in either state_dots mode. The copy has finished reading s_hi before the next
+        # chunk writes it: the wait before the output tile below waits for every earlier copy.
+        plgpu.copy_smem_to_gmem(s_hi, saved[0])
 
     def query_state_product(qs_ref):
         plgpu.wgmma(qs_ref, q, s_hi)
@@ -333,6 +342,8 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented):
     if p_in_smem:
         p_parts = (tiles.p_hi, tiles.p_lo)
     end_operand = lambda: _rows(to_end, BV) * u  # diag(tail exp(G_C - G)) u, the state-update operand of (6)
+    if saved is not None:
+        saved[1][...] = u  # straight from registers: no SMEM to spare for an fp32 tile with two consumers
     if tiles.u_hi is not None:
         _store_split(u, tiles.u_hi, tiles.u_lo)
         # x_* is free again (the wgmmas above have completed): it takes the state-update operand.
@@ -373,16 +384,26 @@ def _pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b,
             vec_ref.at[4, bh], survive_ref.at[bh], vec_ref.at[0, bh], vec_ref.at[1, bh], doc_ref.at[b], doc_ref.at[b])
 
 
-def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_ref, o_ref, final_ref, *scratch,
-                  scale, nt, num_heads, segmented, cfg):
+def _saved_tiles(saved_refs, b, h, i, cols):
+    """The GMEM tiles of chunk i where `_chunk_step` saves the start state and u, or None (no saved outputs)."""
+    if not saved_refs:
+        return None
+    starts_ref, u_ref = saved_refs
+    return (starts_ref.at[b, h, pl.ds(i * HEAD_DIM, HEAD_DIM), cols], u_ref.at[b, pl.ds(i * CHUNK, CHUNK), h, cols])
+
+
+def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_ref, o_ref, final_ref, *refs,
+                  scale, nt, num_heads, segmented, cfg, with_states):
     """One CTA of one warpgroup: value head bh = b * Hv + h, V block j. t_ref: T as bf16 (hi, lo) stacked on a
     leading axis (2, B, Tp, Hv, C). vec_ref rows: G hi, G lo, beta, carry exp(G), tail exp(G_C - G) (each
     (B*Hv, Tp)); doc_ref: the document index as fp32 (B, Tp); survive_ref: the chunk survival factor repeated K times
-    per chunk (B*Hv, nt*K). scratch: `_Tiles`' fields in order, those in use.
+    per chunk (B*Hv, nt*K). refs: with_states, the start states (B, Hv, nt*K, V) and u (B, Tp, Hv, V); then the
+    scratch, `_Tiles`' fields in order, those in use.
 
     G and doc enter the pipeline twice, once for the rows and once for the columns of the C x C mask and decay:
     Mosaic GPU's layout inference finds no solution when one SMEM vector is loaded in both the row and the column
     layout (see docs/mosaic.md)."""
+    saved_refs, scratch = (refs[:2], refs[2:]) if with_states else ((), refs)
     tiles = _unpack_tiles(cfg, list(scratch), two_pairs=True)
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
@@ -396,7 +417,8 @@ def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_
         (i,) = indices
         *inputs, s = inputs
         o_tile = o_ref.at[b, pl.ds(i * CHUNK, CHUNK), h, cols]
-        return _chunk_step(cfg, tiles, inputs, s, o_tile, scale=scale, segmented=segmented)
+        return _chunk_step(cfg, tiles, inputs, s, o_tile, scale=scale, segmented=segmented,
+                           saved=_saved_tiles(saved_refs, b, h, i, cols))
 
     pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(cfg, cfg.block_v),
                                    max_concurrent_steps=cfg.stages, init_carry=s0)
@@ -406,11 +428,12 @@ def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_
 
 
 def _forward_body_shared_head(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_ref, o_ref, final_ref,
-                              *scratch, scale, nt, num_heads, segmented, cfg):
+                              *refs, scale, nt, num_heads, segmented, cfg, with_states):
     """One CTA per value head: two consumer warpgroups, each with the state block of one half of V (BV = 64 of
     128), and a producer warpgroup streaming the chunk inputs through TMA (`emit_pipeline_warp_specialized`).
     q, k, T and the vectors are loaded once for both halves. Each consumer has its own scratch (a leading axis of
     2 on every tile) with one operand pair x (to fit 227 KiB of SMEM), so u goes through x after T diag(beta) y."""
+    saved_refs, scratch = (refs[:2], refs[2:]) if with_states else ((), refs)
     wg = lax.axis_index("wg")
     tiles = _unpack_tiles(cfg, [ref.at[wg] for ref in scratch], two_pairs=False)
     bh = lax.axis_index("head")
@@ -422,7 +445,8 @@ def _forward_body_shared_head(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, surv
         *inputs, s = inputs
         inputs[2] = inputs[2].at[:, cols]  # this warpgroup's half of v
         o_tile = o_ref.at[b, pl.ds(i * CHUNK, CHUNK), h, cols]
-        return _chunk_step(cfg, tiles, inputs, s, o_tile, scale=scale, segmented=segmented)
+        return _chunk_step(cfg, tiles, inputs, s, o_tile, scale=scale, segmented=segmented,
+                           saved=_saved_tiles(saved_refs, b, h, i, cols))
 
     def consumer(run_pipeline):
         s0 = plgpu.load(h0_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
@@ -458,11 +482,17 @@ def _scratch_types(cfg, dtype, two_pairs, copies=None):
                  for _, shape, tiled in _tile_shapes(cfg, two_pairs))
 
 
-def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, segmented, interpret):
+def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, segmented, interpret,
+                  with_states=False):
+    """(o, final state), and `with_states` every chunk's start state (bf16, (B, H, nt*K, V)) and u (fp32,
+    (B, Tp, H, V)), the residuals of the Triton backward."""
     B, Tp, H, K = q.shape
     V = v.shape[-1]
-    common = dict(scale=scale, nt=Tp // CHUNK, num_heads=H, segmented=segmented, cfg=cfg)
+    nt = Tp // CHUNK
+    common = dict(scale=scale, nt=nt, num_heads=H, segmented=segmented, cfg=cfg, with_states=with_states)
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32))
+    if with_states:
+        out_type += (jax.ShapeDtypeStruct((B, H, nt * K, V), BF16), jax.ShapeDtypeStruct((B, Tp, H, V), F32))
     interpret = plgpu.InterpretGPUParams() if interpret else False
     if cfg.warpgroups == 2:
         kernel = plgpu.kernel(
@@ -479,17 +509,19 @@ def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, seg
     return kernel(q, k, v, t_pair, vectors, doc, survive, h0)
 
 
-def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segmented, interpret):
+def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segmented, interpret, g=None, t_pair=None):
     """The chunk-parallel parts before the pass, in XLA and Triton: T as a bf16 pair (2, B, Tp, H, C), the
-    per-token vectors (5, B*H, Tp), the document index as fp32 and the survival factors (B*H, nt*K)."""
+    per-token vectors (5, B*H, Tp), the document index as fp32 and the survival factors (B*H, nt*K). `g` (the
+    in-chunk gates [hi, lo]) and `t_pair`, when given, are used as they are."""
     B, Tp, H, K = q.shape
     nt, C = Tp // CHUNK, CHUNK
     tcfg = wy_chunk.default_config(q, q, scale=scale, chunk_size=C, delta=True, segmented=segmented,
                                    interpret=interpret)
-    g = wy_chunk._in_chunk_cumsum(tcfg, log_decay)  # [hi, lo] x (B, Tp, H)
-    if cfg.inverse_pair == "kernel":
+    if g is None:
+        g = wy_chunk._in_chunk_cumsum(tcfg, log_decay)  # [hi, lo] x (B, Tp, H)
+    if t_pair is None and cfg.inverse_pair == "kernel":
         t_pair = wy_chunk._inverse(tcfg, k, beta, g, doc, pair=True, fp32=False)  # (2, B, Tp, H, C) bf16
-    else:
+    elif t_pair is None:
         # Split in XLA: the plain x - f32(bf16(x)) is folded to 0 on the GPU (`common.split_bf16_in_xla`).
         t_pair = jnp.stack(split_bf16_in_xla(wy_chunk._inverse(tcfg, k, beta, g, doc)))
 
@@ -514,15 +546,37 @@ def _prepare_and_run(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, *, sca
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _wy_mosaic(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
-    """The forward in Mosaic GPU. Differentiated, it is the Triton path's (`wy_chunk._wy`, same arguments): the
-    forward pass with the states the backward reads, then the Triton backward."""
+    """The forward in Mosaic GPU. Differentiated (the arguments are those of `wy_chunk._wy`), the Mosaic pass also
+    writes the start states and u, and the Triton backward runs (`_wy_mosaic_fwd`)."""
     cfg, _, scale, segmented, interpret = static
     return _prepare_and_run(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, scale=scale, segmented=segmented,
                             interpret=interpret)
 
 
-def _wy_mosaic_fwd(static, *args):
-    return wy_chunk._wy_fwd(static[1], *args)
+def _saves_triton_residuals(cfg, tcfg):
+    """Whether the Mosaic pass writes the Triton backward's residuals (`Config.saves_states`): where the backward
+    reads bf16 start states and u from the passes (no T in the gradient kernels) and T's bf16 pair exists."""
+    return (cfg.saves_states and wy_chunk._saves_u_dx(tcfg) and tcfg.state_storage == "bf16"
+            and tcfg.inverse_dots == "split")
+
+
+def _wy_mosaic_fwd(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
+    """The Mosaic pass, also writing what the Triton backward reads (`_saves_triton_residuals`); otherwise the
+    Triton forward pass with states. T's pair is written once, for the Mosaic pass and the reverse pass (fp32 T
+    too where the reverse pass reads that)."""
+    cfg, tcfg, scale, segmented, interpret = static
+    if not _saves_triton_residuals(cfg, tcfg):
+        return wy_chunk._wy_fwd(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0)
+    g = wy_chunk._gate_input(tcfg, log_decay)
+    reverse_fp32 = tcfg.reverse_inverse_storage != "split"
+    written = wy_chunk._inverse(tcfg, k, beta, g, doc, pair=True, fp32=reverse_fp32)
+    t_fp32, t_pair = written if reverse_fp32 else (None, written)
+    inputs = _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, scale=scale, segmented=segmented,
+                          interpret=interpret, g=g, t_pair=t_pair)
+    o, final, starts, u = _forward_pass(cfg, q, k, v, *inputs, h0, scale=scale, segmented=segmented,
+                                        interpret=interpret, with_states=True)
+    t_reverse = t_fp32 if reverse_fp32 else t_pair
+    return (o, final), (q, k, v, beta, g, doc, carry, tail, t_reverse, None, starts, [u])
 
 
 def _wy_mosaic_bwd(static, residuals, cotangents):

@@ -8,6 +8,7 @@ for unsupported arguments and for differentiation. On a GPU: the compiled kernel
 
 import dataclasses
 import functools
+import re
 import warnings
 
 import jax
@@ -193,19 +194,51 @@ def _grads(fn, x):
     return dict(zip(names, jax.grad(loss, argnums=tuple(range(len(names))))(*[x[n] for n in names])))
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_gradients_match_scan_in_interpreter(packed):
-    """Differentiated, the call runs the Triton forward and backward (in Pallas's interpreter here): every
-    gradient against the fp32 scan's, T not a multiple of the chunk, beta up to 2, initial state."""
+@pytest.mark.parametrize("packed,config", [(False, "default"), (True, "default"), (True, "shared_head"),
+                                           (True, "triton_forward")])
+def test_gradients_match_scan_in_interpreter(packed, config):
+    """Differentiated, the Mosaic pass also writes the start states and u and the Triton backward runs (in Pallas's
+    interpreter here; "triton_forward": the Triton forward pass instead): every gradient against the fp32 scan's,
+    T not a multiple of the chunk, beta up to 2, initial state."""
     x = _bf16_inputs(fresh_key(), B=1, T=100, H=2, beta_max=2.0, packed=packed, with_initial_state=True)
     reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
-    grads = _grads(functools.partial(chunk_wy_mosaic, config=mosaic_wy.default_config(interpret=True)), x)
+    cfg = (dataclasses.replace(_INTERPRETED, saves_states=False) if config == "triton_forward"
+           else INTERPRETED_CONFIGS[config])
+    grads = _grads(functools.partial(chunk_wy_mosaic, config=cfg), x)
     grads_ref = _grads(recurrent_scan, reference)
     for name, tol in GRAD_TOLS.items():
         if name in grads:
             error = relative_error(grads[name], grads_ref[name])
             print(f"d{name} {error:.2e}")
             assert grads[name].shape == x[name].shape and error <= tol, (name, error)
+
+
+def test_saved_states_match_the_triton_pass_in_interpreter():
+    """The residuals the Mosaic pass writes for the backward (bf16 start states, fp32 u) against those of the
+    Triton forward pass on the same inputs; both take plain-bf16 state products, so they agree to bf16 rounding."""
+    x = _bf16_inputs(fresh_key(), B=1, T=192, H=2, beta_max=2.0, with_initial_state=True)
+    static_args = dict(scale=0.3, initial_state=x["initial_state"], segment_ids=None)
+    captured = {}
+
+    def capture(name, forward):
+        def wrapped(static, *args):
+            primal, residuals = forward(static, *args)
+            captured[name] = (residuals[10], residuals[11][0])  # start states, u
+            return primal, residuals
+        return wrapped
+
+    for name, cfg in (("mosaic", _INTERPRETED), ("triton", dataclasses.replace(_INTERPRETED, saves_states=False))):
+        fwd = capture(name, mosaic_wy._wy_mosaic_fwd)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(mosaic_wy._wy_mosaic, "fwd", fwd)
+            jax.vjp(lambda q: chunk_wy_mosaic(q, x["k"], x["v"], x["beta"], x["log_decay"], config=cfg,
+                                              **static_args), x["q"])
+    (starts, u), (starts_ref, u_ref) = captured["mosaic"], captured["triton"]
+    assert starts.dtype == starts_ref.dtype == jnp.bfloat16 and starts.shape == starts_ref.shape
+    assert u.dtype == u_ref.dtype == jnp.float32 and u.shape == u_ref.shape
+    print(f"start states {relative_error(starts, starts_ref):.2e}, u {relative_error(u, u_ref):.2e}")
+    assert relative_error(starts, starts_ref) <= 3e-3
+    assert relative_error(u, u_ref) <= 3e-3
 
 
 @pytest.mark.parametrize("change,argument", [
@@ -329,6 +362,32 @@ def test_lowers_for_cuda(segmented, init, config):
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
+@pytest.mark.parametrize("config", ["default", "shared_head", "block_v32", "state_split", "triton_forward"])
+def test_gradient_lowers_for_cuda(config):
+    """jax.grad of the call lowered for an abstract H100: the Mosaic pass (with its saved outputs) runs once, in the
+    forward, unless `saves_states` is off; then the Triton forward pass runs instead."""
+    B, T, H = 1, 130, 2
+    cfg = (dataclasses.replace(_COMPILED, saves_states=False) if config == "triton_forward"
+           else GPU_CONFIGS[config])
+    q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+    gate = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
+    h0 = jax.ShapeDtypeStruct((B, H, D, D), jnp.float32)
+
+    def loss(q, k, v, beta, log_decay, h0):
+        o, s = chunk_wy_mosaic(q, k, v, beta, log_decay, scale=0.1, initial_state=h0, segment_ids=None,
+                               interpret=False, config=cfg)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
+    with jax.sharding.use_abstract_mesh(H100):
+        text = fn.trace(q, q, q, gate, gate, h0).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == (0 if config == "triton_forward" else 1)
+    triton_kernels = set(re.findall(r'name = "(wy_[a-z_]+)"', text))
+    assert {"wy_inverse", "wy_reverse", "wy_grads_merged"} <= triton_kernels
+    # The Triton forward pass ("wy_forward", or "wy_states" and "wy_output" where its output is split off).
+    assert bool(triton_kernels & {"wy_forward", "wy_states"}) == (config == "triton_forward"), triton_kernels
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("config", list(GPU_CONFIGS))
 @pytest.mark.parametrize("packed", [False, True])
@@ -357,12 +416,17 @@ def test_gpu_public_api_with_impl_mosaic():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config", ["default", "shared_head", "block_v64", "triton_forward"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_gpu_gradients_match_scan(packed):
-    """Compiled: the Mosaic forward's gradients (the Triton forward and backward) against the fp32 scan's."""
+def test_gpu_gradients_match_scan(packed, config):
+    """Compiled: the gradients (the Mosaic pass saving the start states and u, then the Triton backward; or the
+    Triton forward pass) against the fp32 scan's. "default" is BV 32 at these 8 heads."""
     x = _bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=packed, with_initial_state=True)
     reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
-    grads, grads_ref = _grads(chunk_wy_mosaic, x), _grads(recurrent_scan, reference)
+    cfg = {"default": None, "shared_head": GPU_CONFIGS["shared_head"], "block_v64": _COMPILED,
+           "triton_forward": dataclasses.replace(_COMPILED, saves_states=False)}[config]
+    grads = _grads(functools.partial(chunk_wy_mosaic, config=cfg), x)
+    grads_ref = _grads(recurrent_scan, reference)
     for name, tol in GRAD_TOLS.items():
         error = relative_error(grads[name], grads_ref[name])
         print(f"d{name} {error:.2e}")

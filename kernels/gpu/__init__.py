@@ -12,7 +12,8 @@ chunk size 64, at most `MAX_BATCH_HEADS` batch x value-head pairs. For the delta
 (`chunked_delta_rule`) routes on the shape of log_decay and the registered predicate accepts what either accepts.
 
 "mosaic" (`mosaic_wy.py`, Hopper only) is the Gated DeltaNet forward with its sequential pass in Mosaic GPU;
-differentiated, the call runs the Triton forward and backward (the Mosaic GPU backward is not written yet).
+differentiated, the Mosaic pass also writes the Triton backward's residuals and the Triton backward runs (the
+Mosaic GPU backward is not written yet).
 `supports_mosaic`: the GPU backend on a compute capability 9.x device, the delta rule with no or a scalar decay,
 bfloat16 q/k/v, K = V = 128, Hv == H, chunk size 64. "auto" prefers it over "pallas" (`MOSAIC_PRIORITY`) from
 `MOSAIC_AUTO_MIN_BATCH_HEADS` value heads per call on, where its forward was measured faster (below that, few long

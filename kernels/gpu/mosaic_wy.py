@@ -29,8 +29,8 @@ Per chunk (C = 64, K = 128, BV = 64), with the wgmma shapes M x N x K:
 
 Inputs are bf16 q/k/v with K = V = 128 and Hv == H (no key-head sharing yet); the per-token scalars carry
 exp(G), tail exp(G_C - G), the chunk survival factor and the document masks are computed in XLA as in
-`wy_chunk.chunk_wy`. Differentiated (a `custom_vjp`), the call is the Triton path's: its forward pass with the
-states the backward reads, then its backward (the Mosaic GPU backward is not written yet).
+`wy_chunk.chunk_wy`. Differentiated (a `custom_vjp`), the pass also writes what the Triton backward reads (every
+chunk's start state and u) and the Triton backward runs (the Mosaic GPU backward is not written yet).
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ BLOCK_VS = (16, 32, 64)
 # measured as BV 32 at 1x32768 (1.653) and twice as slow at 2x8192 (two waves).
 NARROW_BLOCK_V = 32
 SM_COUNT = 132  # H100 SXM and H200
+# Differentiated, the Mosaic pass writes the Triton backward's residuals from this many value heads per call on
+# (`Config.saves_states`). The forward as differentiation runs it (`bench_mosaic_gpu.py --residuals`, H100,
+# 2026-11-26 08:30), Mosaic / Triton: 128 heads 0.725 / 0.737 ms, 32 heads 0.812 / 0.918; at 16 heads (1x32768)
+# the Mosaic forward alone is slower than the Triton one (1.91 / 1.44 ms), and forward+backward was 5.95 / 5.36.
+SAVES_STATES_MIN_BATCH_HEADS = 32
 MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline by default (`Config.stages`)
 # Calls with at least this many value heads (B * Hv) run one CTA per head (`Config.warpgroups=2`). On the H100
 # (2026-11-26): 128 heads (8x2048x16), pass 0.314 -> 0.237 ms; 32 heads (2x8192x16), 0.583 -> 0.831 ms, 16 heads
@@ -128,14 +133,18 @@ def default_config(interpret=False, batch_heads=None):
     """The knobs as shipped (docs/mosaic.md, "Config knobs on the H100"): plain-bf16 state products and P from
     registers, which the interpreter cannot run, so there P goes through SMEM. With at least
     `SHARED_HEAD_MIN_BATCH_HEADS` value heads in the call (B * Hv), one CTA per head with two consumer warpgroups;
-    with few enough that V/32 CTAs per head fit one wave on `SM_COUNT` SMs, state blocks of 32 columns."""
+    with few enough that V/32 CTAs per head fit one wave on `SM_COUNT` SMs, state blocks of 32 columns. Below
+    `SAVES_STATES_MIN_BATCH_HEADS` heads, differentiation runs the Triton forward pass (faster there)."""
     if interpret:
         return Config(p_operand="smem")
-    if batch_heads is not None and batch_heads >= SHARED_HEAD_MIN_BATCH_HEADS:
-        return Config(warpgroups=2)
-    if batch_heads is not None and batch_heads * (HEAD_DIM // NARROW_BLOCK_V) <= SM_COUNT:
-        return Config(block_v=NARROW_BLOCK_V)
-    return Config()
+    if batch_heads is None:
+        return Config()
+    saves_states = batch_heads >= SAVES_STATES_MIN_BATCH_HEADS
+    if batch_heads >= SHARED_HEAD_MIN_BATCH_HEADS:
+        return Config(warpgroups=2, saves_states=saves_states)
+    if batch_heads * (HEAD_DIM // NARROW_BLOCK_V) <= SM_COUNT:
+        return Config(block_v=NARROW_BLOCK_V, saves_states=saves_states)
+    return Config(saves_states=saves_states)
 
 
 def _swizzle(cfg):
@@ -620,8 +629,8 @@ def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_i
     """Gated DeltaNet forward (o, final_state) with the sequential pass in Mosaic GPU; the signature of
     `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K = V = 128, Hv == H, scalar or no decay, any T, optional
     initial state and segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
-    kernel in the Mosaic GPU interpreter; `config`: a `Config` (default `default_config()`). Under differentiation
-    the Triton forward and backward run instead (`_wy_mosaic`)."""
+    kernel in the Mosaic GPU interpreter; `config`: a `Config` (default `default_config()`). Differentiated, the
+    backward is the Triton one (`_wy_mosaic_fwd`)."""
     _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

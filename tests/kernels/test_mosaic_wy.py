@@ -277,6 +277,11 @@ def test_default_config_shares_heads_from_the_threshold():
     assert mosaic_wy.default_config(batch_heads=mosaic_wy.SM_COUNT // 4).block_v == 32
     assert mosaic_wy.default_config(batch_heads=mosaic_wy.SM_COUNT // 4 + 1).block_v == 64
     assert mosaic_wy.default_config().block_v == 64
+    # Differentiated, the Mosaic pass saves the backward's residuals from SAVES_STATES_MIN_BATCH_HEADS heads on.
+    saving = mosaic_wy.SAVES_STATES_MIN_BATCH_HEADS
+    assert mosaic_wy.default_config(batch_heads=saving).saves_states
+    assert not mosaic_wy.default_config(batch_heads=saving - 1).saves_states
+    assert mosaic_wy.default_config(batch_heads=threshold).saves_states
     assert mosaic_wy.default_config(interpret=True, batch_heads=threshold).p_operand == "smem"
 
 
@@ -416,14 +421,14 @@ def test_gpu_public_api_with_impl_mosaic():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", ["default", "shared_head", "block_v64", "triton_forward"])
+@pytest.mark.parametrize("config", ["block_v32", "shared_head", "block_v64", "triton_forward"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_gpu_gradients_match_scan(packed, config):
     """Compiled: the gradients (the Mosaic pass saving the start states and u, then the Triton backward; or the
-    Triton forward pass) against the fp32 scan's. "default" is BV 32 at these 8 heads."""
+    Triton forward pass) against the fp32 scan's."""
     x = _bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=packed, with_initial_state=True)
     reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
-    cfg = {"default": None, "shared_head": GPU_CONFIGS["shared_head"], "block_v64": _COMPILED,
+    cfg = {"block_v32": GPU_CONFIGS["block_v32"], "shared_head": GPU_CONFIGS["shared_head"], "block_v64": _COMPILED,
            "triton_forward": dataclasses.replace(_COMPILED, saves_states=False)}[config]
     grads = _grads(functools.partial(chunk_wy_mosaic, config=cfg), x)
     grads_ref = _grads(recurrent_scan, reference)

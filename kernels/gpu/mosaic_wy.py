@@ -46,7 +46,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deltajax.kernels.gpu import wy_chunk
 from deltajax.kernels.gpu.common import split_bf16_in_xla
-from deltajax.rules.common import document_index
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -635,28 +634,13 @@ def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_i
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     cfg = default_config(interpret, batch_heads=q.shape[0] * v.shape[2]) if config is None else config
-    B, T, H, K = q.shape
-    V = v.shape[3]
-    C = chunk_size
-    nt = -(-T // C)
-    pad = nt * C - T
-    # Padding tokens have k = 0, beta = 0 and no decay: they leave the state unchanged.
-    qp, kp, vp = (wy_chunk._pad_time(x, pad) for x in (q, k, v))
-    beta_p = wy_chunk._pad_time(beta.astype(F32), pad)
-    gated = log_decay is not None
-    log_decay = jnp.zeros((B, T, H), F32) if log_decay is None else log_decay.astype(F32)
-    doc = wy_chunk._pad_time(document_index(segment_ids, B, T), pad, mode="edge")
-    chunks = doc.reshape(B, nt, C)
-    before = jnp.concatenate([chunks[:, :1, :1], chunks[:, :-1, -1:]], axis=1)  # last doc of the previous chunk
-    carry = (chunks == before).astype(F32).reshape(B, nt * C)
-    tail = (chunks == chunks[:, :, -1:]).astype(F32).reshape(B, nt * C)
-    h0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
     if cfg.p_operand == "registers" and interpret:
         raise ValueError("p_operand='registers' does not run in the Mosaic GPU interpreter (it takes wgmma's A from "
                          "SMEM only); use 'smem' there")
-    triton_cfg = wy_chunk.default_config(q, v, scale=scale, chunk_size=C, delta=True,
+    triton_cfg = wy_chunk.default_config(q, v, scale=scale, chunk_size=chunk_size, delta=True,
                                          segmented=segment_ids is not None, interpret=bool(interpret),
-                                         gated=gated)
+                                         gated=log_decay is not None)
     static = (cfg, triton_cfg, float(scale), segment_ids is not None, bool(interpret))
-    o, final = _wy_mosaic(static, qp, kp, vp, beta_p, wy_chunk._pad_time(log_decay, pad), doc, carry, tail, h0)
-    return o[:, :T], final
+    args = wy_chunk.padded_call_inputs(q, k, v, beta, log_decay, initial_state, segment_ids, chunk_size)
+    o, final = _wy_mosaic(static, *args)
+    return o[:, :q.shape[1]], final

@@ -1404,19 +1404,28 @@ def chunk_wy(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chu
     del state_passing
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    B, T, H, K = q.shape
-    Hv, V = v.shape[2], v.shape[3]
-    C = chunk_size
-    nt = -(-T // C)
-    pad = nt * C - T
+    T, C = q.shape[1], chunk_size
     delta = beta is not None
     gated = log_decay is not None
     cfg = config or default_config(q, v, scale=scale, chunk_size=C, delta=delta,
                                    segmented=segment_ids is not None, interpret=interpret, gated=gated)
     cfg = dataclasses.replace(cfg, gated=gated)
+    o, final = _wy(cfg, *padded_call_inputs(q, k, v, beta, log_decay, initial_state, segment_ids, C))
+    return o[:, :T].astype(v.dtype), final
+
+
+def padded_call_inputs(q, k, v, beta, log_decay, initial_state, segment_ids, chunk_size):
+    """The arguments of `_wy` after its config: q, k, v, beta, log_decay padded to whole chunks, the document
+    index, the carry and tail masks (does token t continue the previous chunk's last document; is it in the
+    chunk's last one) and the initial state in fp32 (zeros when None). beta None (linear attention) becomes zeros."""
+    B, T, H, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    C = chunk_size
+    nt = -(-T // C)
+    pad = nt * C - T
     # Padding tokens have k = 0, beta = 0 and no decay: they leave the state unchanged.
     qp, kp, vp = (_pad_time(x, pad) for x in (q, k, v))
-    beta_p = _pad_time(beta.astype(F32) if delta else jnp.zeros((B, T, Hv), F32), pad)
+    beta_p = _pad_time(jnp.zeros((B, T, Hv), F32) if beta is None else beta.astype(F32), pad)
     log_decay = jnp.zeros((B, T, Hv), F32) if log_decay is None else log_decay.astype(F32)
     doc = _pad_time(document_index(segment_ids, B, T), pad, mode="edge")
     chunks = doc.reshape(B, nt, C)
@@ -1424,5 +1433,4 @@ def chunk_wy(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chu
     carry = (chunks == before).astype(F32).reshape(B, nt * C)
     tail = (chunks == chunks[:, :, -1:]).astype(F32).reshape(B, nt * C)
     h0 = jnp.zeros((B, Hv, K, V), F32) if initial_state is None else initial_state.astype(F32)
-    o, final = _wy(cfg, qp, kp, vp, beta_p, _pad_time(log_decay, pad), doc, carry, tail, h0)
-    return o[:, :T].astype(v.dtype), final
+    return qp, kp, vp, beta_p, _pad_time(log_decay, pad), doc, carry, tail, h0

@@ -44,11 +44,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from deltajax.kernels.gpu import mosaic_common as mc
+from deltajax.kernels.gpu import mosaic_wy_grads
 from deltajax.kernels.gpu import wy_chunk
 from deltajax.kernels.gpu.common import split_bf16_in_xla
 
-F32 = jnp.float32
-BF16 = jnp.bfloat16
+F32, BF16 = mc.F32, mc.BF16
 HEAD_DIM = 128  # the only K and V supported
 CHUNK = 64  # the only chunk size supported
 BLOCK_V = 64  # BV: V columns of the state per CTA by default (`Config.block_v`)
@@ -70,7 +71,7 @@ MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline by default (`Co
 # (1x32768x16), 2.338 -> 3.329 ms: with fewer CTAs than SMs, two CTAs per head (one per V half) keep more SMs busy.
 SHARED_HEAD_MIN_BATCH_HEADS = 128
 PRODUCER_REGISTERS = 40  # per thread of the producer warpgroup (`Config.warpgroups=2`); the consumers get 232
-SWIZZLE = 128  # bytes; rows of 64 bf16 (narrower tiles take the swizzle of their row: 64 bytes at BV = 32)
+SWIZZLE = mc.SWIZZLE  # bytes; narrower tiles take the swizzle of their row: 64 bytes at BV = 32
 # Where the hi*lo and lo*hi terms of a split product are accumulated: "shared", into the accumulator of hi*hi
 # (fewest registers); "separate", into an accumulator of their own, added to hi*hi in fp32 registers (as the
 # Triton kernels do, one tl.dot per term). On the H100 (2026-11-23 19:05) both gave the same errors to three digits
@@ -86,6 +87,7 @@ INVERSE_PAIRS = ("kernel", "xla")
 # The masked, decayed Q K^T as wgmma's A operand: "smem" (stored as hi/lo tiles; the only form the Mosaic GPU
 # interpreter runs) or "registers" (no SMEM round trip; lowered and run on the GPU only).
 P_OPERANDS = ("smem", "registers")
+GRADS = ("mosaic", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +115,14 @@ class Config:
     # Differentiated, the Mosaic pass runs and also writes the residuals of the Triton backward (each chunk's start
     # state, bf16, and u, fp32); False: the Triton forward pass with states runs instead.
     saves_states: bool = True
+    # The chunk-parallel gradients under differentiation: "mosaic" (`mosaic_wy_grads`, one CTA per chunk and head)
+    # or "triton" (`wy_chunk`'s "merged" kernel). Both read the start states, u and dx saved by the passes.
+    grads: str = "mosaic"
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
                               ("inverse_pair", INVERSE_PAIRS), ("p_operand", P_OPERANDS), ("warpgroups", (1, 2)),
-                              ("block_v", BLOCK_VS), ("stages", (1, 2, 3, 4))):
+                              ("block_v", BLOCK_VS), ("stages", (1, 2, 3, 4)), ("grads", GRADS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.warpgroups == 2 and self.state_dots != "bf16":
@@ -152,54 +157,22 @@ def _swizzle(cfg):
     return min(SWIZZLE, cfg.block_v * jnp.dtype(BF16).itemsize)
 
 
-def _wgmma_transforms(swizzle):
-    return plgpu.TilingTransform((8, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _tiled(shape, swizzle):
-    """A bf16 SMEM buffer laid out for wgmma operands (8-row tiles, swizzled)."""
-    return plgpu.SMEM(shape, BF16, transforms=_wgmma_transforms(swizzle))
 
 
-def _tiled_spec(block_shape, index_map, swizzle):
-    return plgpu.BlockSpec(block_shape=block_shape, index_map=index_map, transforms=_wgmma_transforms(swizzle))
 
 
-def _acc(m, n):
-    """A zero-initialised m x n fp32 wgmma accumulator (a `pl.run_scoped` allocation: the Mosaic GPU
-    interpreter runs `run_scoped` accumulators but not `pl.run_state` ones, so initial values are added after)."""
-    return plgpu.ACC((m, n), F32)
 
 
-def _split(x):
-    """x = hi + lo (+ ~2^-17 |x|) as two bf16 values."""
-    hi = x.astype(BF16)
-    return hi, (x - hi.astype(F32)).astype(BF16)
 
 
-def _wgmma_layout(x):
-    """x pinned to the WGMMA register layout. These annotations keep Mosaic GPU's layout search small and the
-    layouts explicit; the kernel also lowers without them."""
-    return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
 
-def _store_split(x, hi_ref, lo_ref):
-    hi, lo = _split(_wgmma_layout(x))
-    hi, lo = _wgmma_layout(hi), _wgmma_layout(lo)
-    hi_ref[...] = hi
-    lo_ref[...] = lo
 
 
-def _rows(ref, m):
-    """A (n,) SMEM vector broadcast to n x m (x[t, :] = ref[t]) in the WGMMA layout."""
-    x = plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-    return _wgmma_layout(lax.broadcast_in_dim(x, (ref.shape[0], m), [0]))
 
 
-def _cols(ref, m):
-    """A (n,) SMEM vector broadcast to m x n (x[:, s] = ref[s]) in the WGMMA layout."""
-    x = plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-    return _wgmma_layout(lax.broadcast_in_dim(x, (m, ref.shape[0]), [1]))
 
 
 def _split_product(a_hi, a_lo, b_hi, b_lo, m, n, separate, while_running=None):
@@ -227,13 +200,13 @@ def _split_product(a_hi, a_lo, b_hi, b_lo, m, n, separate, while_running=None):
         plgpu.wgmma(hi_ref, a_hi, b_hi)
         lo_terms(lo_ref)
         other = meanwhile()
-        return _wgmma_layout(hi_ref[...] + lo_ref[...]), other
+        return mc.wgmma_layout(hi_ref[...] + lo_ref[...]), other
 
     has_lo = b_lo is not None or a_lo is not None
     if separate and has_lo:
-        product, other = pl.run_scoped(apart, _acc(m, n), _acc(m, n))
+        product, other = pl.run_scoped(apart, mc.acc(m, n), mc.acc(m, n))
     else:
-        product, other = pl.run_scoped(shared, _acc(m, n))
+        product, other = pl.run_scoped(shared, mc.acc(m, n))
     return product if while_running is None else (product, other)
 
 
@@ -265,9 +238,9 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented, saved=None):
     p_in_smem = tiles.p_hi is not None
     s_hi, s_lo, x_hi, x_lo = tiles.s_hi, tiles.s_lo, tiles.x_hi, tiles.x_lo
     if split_state:
-        _store_split(s, s_hi, s_lo)
+        mc.store_split(s, s_hi, s_lo)
     else:
-        s_hi[...] = _wgmma_layout(_wgmma_layout(s).astype(BF16))
+        s_hi[...] = mc.wgmma_layout(mc.wgmma_layout(s).astype(BF16))
     plgpu.commit_smem()  # the generic-proxy stores must be visible to the wgmmas (async proxy)
     if saved is not None:
         # bf16(S_0) is S_0's hi half in either state_dots mode. The copy has finished reading s_hi before the next
@@ -300,47 +273,41 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented, saved=None):
 
     qs = None
     if cfg.query_state_late:  # Q S_0 issued with P u at the end: its accumulator is not live in between
-        ks, qk = pl.run_scoped(key_products, _acc(C, BV), _acc(C, C))
+        ks, qk = pl.run_scoped(key_products, mc.acc(C, BV), mc.acc(C, C))
     elif separate:  # one product at a time: two accumulators live, not five
         ks = _split_product(k, None, s_hi, s_lo, C, BV, True)
         qs = _split_product(q, None, s_hi, s_lo, C, BV, True)
-        qk = pl.run_scoped(query_key_product, _acc(C, C))
+        qk = pl.run_scoped(query_key_product, mc.acc(C, C))
     else:  # all five wgmmas in flight before one wait
-        ks, qs, qk = pl.run_scoped(state_products, _acc(C, BV), _acc(C, BV), _acc(C, C))
+        ks, qs, qk = pl.run_scoped(state_products, mc.acc(C, BV), mc.acc(C, BV), mc.acc(C, C))
 
     def output(u_hi, u_lo):
         """scale-free O of (5): carry exp(G) (.) Q S_0 + P u."""
         if qs is not None:
-            return _wgmma_layout(start_rows * qs + _split_product(*p_parts, u_hi, u_lo, C, BV, separate))
+            return mc.wgmma_layout(start_rows * qs + _split_product(*p_parts, u_hi, u_lo, C, BV, separate))
 
         def both(qs_ref):
             query_state_product(qs_ref)
             pu = _split_product(*p_parts, u_hi, u_lo, C, BV, separate)  # reading it waits for Q S_0 too
             return qs_ref[...], pu
 
-        late_qs, pu = pl.run_scoped(both, _acc(C, BV))
-        return _wgmma_layout(start_rows * late_qs + pu)
+        late_qs, pu = pl.run_scoped(both, mc.acc(C, BV))
+        return mc.wgmma_layout(start_rows * late_qs + pu)
 
-    start_rows = _rows(from_start, BV)
-    y = _wgmma_layout(plgpu.load(v, layout=plgpu.Layout.WGMMA).astype(F32) - start_rows * ks)  # (3)
-    _store_split(_rows(beta, BV) * y, x_hi, x_lo)
+    start_rows = mc.rows(from_start, BV)
+    y = mc.wgmma_layout(plgpu.load(v, layout=plgpu.Layout.WGMMA).astype(F32) - start_rows * ks)  # (3)
+    mc.store_split(mc.rows(beta, BV) * y, x_hi, x_lo)
     plgpu.commit_smem()
 
     def decayed_scores():
-        # (5): the masked, decayed Q K^T. The gate difference is taken part by part so that near-1 decays after
-        # a large cumulative gate keep their fp32 accuracy, and masked before the exp so that it cannot overflow.
-        row = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=plgpu.Layout.WGMMA)
-        col = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=plgpu.Layout.WGMMA)
-        mask = row >= col
-        if segmented:
-            mask = mask & (_rows(doc, C) == _cols(doc_c, C))
-        diff = _wgmma_layout((_rows(g_hi, C) - _cols(g_hi_c, C)) + (_rows(g_lo, C) - _cols(g_lo_c, C)))
-        p = _wgmma_layout(qk * jnp.exp(jnp.where(mask, diff, -jnp.inf)))
+        # (5): the masked, decayed Q K^T.
+        causal, _ = mc.chunk_masks(doc, doc_c, C, segmented)
+        p = mc.wgmma_layout(qk * mc.pair_decay(g_hi, g_lo, g_hi_c, g_lo_c, causal, C))
         if p_in_smem:  # the interpreter runs only SMEM operands of wgmma (see docs/mosaic.md)
-            _store_split(p, tiles.p_hi, tiles.p_lo)
+            mc.store_split(p, tiles.p_hi, tiles.p_lo)
             return None  # (a run_scoped body must not return refs)
-        hi, lo = _split(p)
-        return _wgmma_layout(hi), _wgmma_layout(lo)
+        hi, lo = mc.split(p)
+        return mc.wgmma_layout(hi), mc.wgmma_layout(lo)
 
     if cfg.p_during_u:  # (4): u = T diag(beta) y, with P formed while it runs
         u, p_parts = _split_product(t_hi, t_lo, x_hi, x_lo, C, BV, separate, while_running=decayed_scores)
@@ -349,28 +316,28 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented, saved=None):
         p_parts = decayed_scores()
     if p_in_smem:
         p_parts = (tiles.p_hi, tiles.p_lo)
-    end_operand = lambda: _rows(to_end, BV) * u  # diag(tail exp(G_C - G)) u, the state-update operand of (6)
+    end_operand = lambda: mc.rows(to_end, BV) * u  # diag(tail exp(G_C - G)) u, the state-update operand of (6)
     if saved is not None:
         saved[1][...] = u  # straight from registers: no SMEM to spare for an fp32 tile with two consumers
     if tiles.u_hi is not None:
-        _store_split(u, tiles.u_hi, tiles.u_lo)
+        mc.store_split(u, tiles.u_hi, tiles.u_lo)
         # x_* is free again (the wgmmas above have completed): it takes the state-update operand.
-        _store_split(end_operand(), x_hi, x_lo)
+        mc.store_split(end_operand(), x_hi, x_lo)
         plgpu.commit_smem()
         o = output(tiles.u_hi, tiles.u_lo)
     else:  # one operand pair: u through x for P u, then (once P u has completed) the update operand
-        _store_split(u, x_hi, x_lo)
+        mc.store_split(u, x_hi, x_lo)
         plgpu.commit_smem()
         o = output(x_hi, x_lo)
-        _store_split(end_operand(), x_hi, x_lo)
+        mc.store_split(end_operand(), x_hi, x_lo)
         plgpu.commit_smem()
 
     update = _split_product(k.transpose((1, 0)), None, x_hi, x_lo, K, BV, separate)  # (6)
-    s_next = _wgmma_layout(_rows(survive, BV) * s + update)
+    s_next = mc.wgmma_layout(mc.rows(survive, BV) * s + update)
 
     o_smem = tiles.o_smem
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output has left o_smem
-    o_smem[...] = _wgmma_layout((scale * o).astype(o_smem.dtype))
+    o_smem[...] = mc.wgmma_layout((scale * o).astype(o_smem.dtype))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_tile)
     return s_next
@@ -379,7 +346,7 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented, saved=None):
 def _in_specs(cfg, block_v):
     """The pipeline's BlockSpecs, in `_chunk_step`'s order of inputs (v's block is C x block_v)."""
     C, K = CHUNK, HEAD_DIM
-    tiled = lambda shape: _tiled_spec(shape, lambda i: (i, 0), _swizzle(cfg))
+    tiled = lambda shape: mc.tiled_spec(shape, lambda i: (i, 0), _swizzle(cfg))
     vector = lambda n=C: plgpu.BlockSpec(block_shape=(n,), index_map=lambda i: (i,))
     return [tiled((C, K)), tiled((C, K)), tiled((C, block_v)), tiled((C, C)), tiled((C, C)),
             vector(), vector(), vector(), vector(), vector(), vector(K), vector(), vector(), vector(), vector()]
@@ -486,7 +453,7 @@ def _unpack_tiles(cfg, scratch, two_pairs):
 
 def _scratch_types(cfg, dtype, two_pairs, copies=None):
     lead = () if copies is None else (copies,)
-    return tuple(_tiled(lead + shape, _swizzle(cfg)) if tiled else plgpu.SMEM(lead + shape, dtype)
+    return tuple(mc.tiled(lead + shape, _swizzle(cfg)) if tiled else plgpu.SMEM(lead + shape, dtype)
                  for _, shape, tiled in _tile_shapes(cfg, two_pairs))
 
 
@@ -587,8 +554,25 @@ def _wy_mosaic_fwd(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
     return (o, final), (q, k, v, beta, g, doc, carry, tail, t_reverse, None, starts, [u])
 
 
+def _mosaic_grads_apply(cfg, tcfg):
+    """Whether the gradient kernel is the Mosaic one (`Config.grads`): it reads what the Triton "merged" kernel
+    reads, every chunk's bf16 start state and end-state cotangent, and u and dx saved by the passes."""
+    return cfg.grads == "mosaic" and wy_chunk._saves_u_dx(tcfg) and tcfg.state_storage == "bf16"
+
+
 def _wy_mosaic_bwd(static, residuals, cotangents):
-    return wy_chunk._wy_bwd(static[1], residuals, cotangents)
+    """The Triton reverse pass, then the chunk-parallel gradients in Mosaic GPU (`_mosaic_grads_apply`), or the
+    whole Triton backward."""
+    cfg, tcfg, scale, segmented, interpret = static
+    if not _mosaic_grads_apply(cfg, tcfg):
+        return wy_chunk._wy_bwd(tcfg, residuals, cotangents)
+    q, k, v, beta, g, doc, carry, tail, t, _, starts, (u,) = residuals
+    do, dfinal = cotangents
+    do = do.astype(v.dtype)
+    dh0, dends, dx = wy_chunk._reverse_pass(tcfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32))
+    dq, dk, dv, dbeta, dlog = mosaic_wy_grads.grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx,
+                                                    scale=scale, segmented=segmented, interpret=interpret)
+    return dq, dk, dv, dbeta.astype(beta.dtype), dlog, None, None, None, dh0
 
 
 _wy_mosaic.defvjp(_wy_mosaic_fwd, _wy_mosaic_bwd)

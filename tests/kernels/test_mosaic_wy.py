@@ -367,13 +367,15 @@ def test_lowers_for_cuda(segmented, init, config):
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
-@pytest.mark.parametrize("config", ["default", "shared_head", "block_v32", "state_split", "triton_forward"])
+@pytest.mark.parametrize("config", ["default", "shared_head", "block_v32", "state_split", "triton_forward",
+                                    "triton_grads"])
 def test_gradient_lowers_for_cuda(config):
     """jax.grad of the call lowered for an abstract H100: the Mosaic pass (with its saved outputs) runs once, in the
-    forward, unless `saves_states` is off; then the Triton forward pass runs instead."""
+    forward, unless `saves_states` is off (then the Triton forward pass runs instead), and the Mosaic gradient
+    kernel once after the Triton reverse pass, unless `grads="triton"`."""
     B, T, H = 1, 130, 2
-    cfg = (dataclasses.replace(_COMPILED, saves_states=False) if config == "triton_forward"
-           else GPU_CONFIGS[config])
+    cfg = {"triton_forward": dataclasses.replace(_COMPILED, saves_states=False),
+           "triton_grads": dataclasses.replace(_COMPILED, grads="triton")}.get(config) or GPU_CONFIGS.get(config)
     q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
     gate = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
     h0 = jax.ShapeDtypeStruct((B, H, D, D), jnp.float32)
@@ -386,9 +388,11 @@ def test_gradient_lowers_for_cuda(config):
     fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
     with jax.sharding.use_abstract_mesh(H100):
         text = fn.trace(q, q, q, gate, gate, h0).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu_v2") == (0 if config == "triton_forward" else 1)
+    mosaic_grads = config != "triton_grads"
+    assert text.count("custom_call @mosaic_gpu_v2") == (config != "triton_forward") + mosaic_grads
     triton_kernels = set(re.findall(r'name = "(wy_[a-z_]+)"', text))
-    assert {"wy_inverse", "wy_reverse", "wy_grads_merged"} <= triton_kernels
+    assert {"wy_inverse", "wy_reverse"} <= triton_kernels
+    assert ("wy_grads_merged" in triton_kernels) != mosaic_grads, triton_kernels
     # The Triton forward pass ("wy_forward", or "wy_states" and "wy_output" where its output is split off).
     assert bool(triton_kernels & {"wy_forward", "wy_states"}) == (config == "triton_forward"), triton_kernels
 

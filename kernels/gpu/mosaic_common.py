@@ -1,0 +1,104 @@
+"""Register- and SMEM-level helpers shared by the Mosaic GPU kernels (`mosaic_wy.py`, `mosaic_wy_grads.py`).
+
+Every product is a wgmma with bf16 operands from SMEM (the Mosaic GPU interpreter takes no register operand for
+wgmma's A) and an fp32 accumulator. fp32 operands enter as bf16 hi/lo pairs, x = hi + lo with hi = bf16(x) and
+lo = bf16(x - hi), and a product of two such operands is hi*hi + hi*lo + lo*hi (the "split" mode of `common.dot`,
+~2^-16 relative per product).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+SWIZZLE = 128  # bytes; rows of 64 bf16 (narrower tiles take the swizzle of their row)
+
+
+def wgmma_transforms(swizzle=SWIZZLE):
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(BF16).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def tiled(shape, swizzle=SWIZZLE):
+    """A bf16 SMEM buffer laid out for wgmma operands (8-row tiles, swizzled)."""
+    return plgpu.SMEM(shape, BF16, transforms=wgmma_transforms(swizzle))
+
+
+def tiled_spec(block_shape, index_map, swizzle=SWIZZLE):
+    return plgpu.BlockSpec(block_shape=block_shape, index_map=index_map, transforms=wgmma_transforms(swizzle))
+
+
+def acc(m, n):
+    """A zero-initialised m x n fp32 wgmma accumulator (a `pl.run_scoped` allocation: the Mosaic GPU
+    interpreter runs `run_scoped` accumulators but not `pl.run_state` ones, so initial values are added after)."""
+    return plgpu.ACC((m, n), F32)
+
+
+def split(x):
+    """x = hi + lo (+ ~2^-17 |x|) as two bf16 values."""
+    hi = x.astype(BF16)
+    return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def wgmma_layout(x):
+    """x pinned to the WGMMA register layout. These annotations keep Mosaic GPU's layout search small and the
+    layouts explicit; the kernels also lower without them."""
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+
+def store_split(x, hi_ref, lo_ref):
+    """x (fp32 registers) into two SMEM operand tiles as its bf16 hi/lo pair."""
+    hi, lo = split(wgmma_layout(x))
+    hi_ref[...] = wgmma_layout(hi)
+    lo_ref[...] = wgmma_layout(lo)
+
+
+def store_bf16(x, ref):
+    """x (fp32 registers) rounded to bf16 into an SMEM operand tile."""
+    ref[...] = wgmma_layout(wgmma_layout(x).astype(BF16))
+
+
+def row_vector(ref):
+    """A (n,) SMEM vector in the layout of the WGMMA rows (x[t] lives with row t)."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+
+def rows(ref, m):
+    """A (n,) SMEM vector broadcast to n x m (x[t, :] = ref[t]) in the WGMMA layout."""
+    return wgmma_layout(lax.broadcast_in_dim(row_vector(ref), (ref.shape[0], m), [0]))
+
+
+def broadcast_rows(x, m):
+    """A row vector (`row_vector`'s layout) broadcast to n x m."""
+    return wgmma_layout(lax.broadcast_in_dim(x, (x.shape[0], m), [0]))
+
+
+def cols(ref, m):
+    """A (n,) SMEM vector broadcast to m x n (x[:, s] = ref[s]) in the WGMMA layout.
+
+    Mosaic GPU's layout inference finds no solution when one SMEM ref is loaded both as rows and as columns: a
+    vector needed both ways goes to SMEM twice (two buffers of the same GMEM data)."""
+    x = plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+    return wgmma_layout(lax.broadcast_in_dim(x, (m, ref.shape[0]), [1]))
+
+
+def chunk_masks(row_doc, col_doc, c, segmented):
+    """(t >= s, t > s) for a c x c chunk, within one document when `segmented` (doc: the SMEM document index as
+    rows and as columns)."""
+    row = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=plgpu.Layout.WGMMA)
+    col = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=plgpu.Layout.WGMMA)
+    causal, strict = row >= col, row > col
+    if segmented:
+        same = rows(row_doc, c) == cols(col_doc, c)
+        causal, strict = causal & same, strict & same
+    return causal, strict
+
+
+def pair_decay(g_hi, g_lo, g_hi_c, g_lo_c, causal, c):
+    """exp(G_t - G_s) where `causal`, else 0. The gate difference is taken part by part so that near-1 decays
+    after a large cumulative gate keep their fp32 accuracy, and masked before the exp so that it cannot
+    overflow."""
+    diff = wgmma_layout((rows(g_hi, c) - cols(g_hi_c, c)) + (rows(g_lo, c) - cols(g_lo_c, c)))
+    return wgmma_layout(jnp.exp(jnp.where(causal, diff, -jnp.inf)))

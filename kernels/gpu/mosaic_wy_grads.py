@@ -1,0 +1,250 @@
+"""The chunk-parallel gradients of the Gated DeltaNet (delta rule, scalar decay) as a Mosaic GPU kernel.
+
+The math is that of `wy_chunk._grad_merged_kernel` (equations (1)-(6) of `wy_chunk`, differentiated): per chunk and
+value head, with S_0 the chunk's start state, dS_end the cotangent of its end state (from the reverse pass), u and
+dx = dL/d(beta y) saved by the passes, and e = tail exp(G_C - G), f = carry exp(G):
+
+    KS = K S_0,  KD = K dS_end,  y = v - f (.) KS
+    dv     = beta (.) dx
+    dP     = scale (dO u^T) (.) exp(G_t - G_s) [t >= s]                         (the decayed scores' cotangent)
+    dA_k   = beta_t (-dx u^T) (.) exp(G_t - G_s) [t > s]                        (the cotangent of k_t . k_s)
+    dq     = scale f (.) dO S_0^T + dP K
+    dk     = dP^T Q + dA_k K + dA_k^T K + (-beta f (.) dx) S_0^T + (e (.) u) dS_end^T
+    dbeta  = rowsum(dx (.) y) + rowsum(dA (.) K K^T (.) decay, t > s)
+    dL/dG  = rowsum(dq_state (.) Q) - rowsum(beta f (.) dx (.) KS) + rowsum(Z) - colsum(Z),
+             Z = [t > s] (dP (.) Q K^T + dA_k (.) K K^T)
+
+and the per-token end terms e (.) rowsum(u (.) KD) and the chunk's survival term sum(S_0 (.) dS_end). The kernel
+writes dL/dG's per-token terms, the end terms and the survival row sums; `grads` turns them into d(log_decay) in
+XLA (the in-chunk reverse cumsum of `wy_chunk._dlog`, exact fp32 sums).
+
+One CTA of one warpgroup per (chunk, value head), grid (chunks, B*Hv). Every input tile arrives by TMA at the start
+(q, k: C x K; dO, S_0, dS_end in two V halves of 64 columns, the 128-byte swizzle); u, dx and v (fp32 / bf16) are
+loaded into registers directly. The V contractions run over the two halves; the products, M x N x K:
+
+    KS, KD                     2 x 2 x (64 x 64 x 128)         bf16 x bf16
+    dO u^T, dx u^T             2 x (2 + 3) x (64 x 64 x 64)    u, dx as hi/lo pairs (split)
+    Q K^T, K K^T               2 x (64 x 64 x 128)
+    colsum(Z)                  2 x (64 x 64 x 64)              Z^T (hi/lo) times a tile of ones
+    dO S_0^T                   2 x (64 x 128 x 64)
+    dP K, dP^T Q               2 x 2 x (64 x 128 x 64)         dP as hi/lo
+    dA_k K, dA_k^T K           2 x (64 x 128 x 64)             dA_k rounded to bf16
+    dks S_0^T, (e u) dS_end^T  2 x 2 x (64 x 128 x 64)         operands rounded to bf16
+
+which are the precisions of the Triton "merged" kernel (`grad_dots` "split", `grad_k_dots` and `state_dots`
+"bf16"). Supported: bf16 q/k/v, K = V = 128, Hv == H, C = 64.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from deltajax.kernels.gpu import mosaic_common as mc
+
+F32, BF16 = mc.F32, mc.BF16
+CHUNK = 64
+HEAD_DIM = 128
+HALF = HEAD_DIM // 2  # the V columns per wgmma operand tile (128-byte rows)
+# The per-token vectors the kernel reads, in the order of `token_vectors`' rows; G and doc again as columns.
+ROW_VECTORS = ("g_hi", "g_lo", "beta", "from_start", "to_end", "doc")
+COL_VECTORS = ("g_hi", "g_lo", "doc")
+
+
+def _grad_body(q_ref, k_ref, v_ref, do_ref, u_ref, dx_ref, starts_ref, dends_ref, vec_ref, dq_ref, dk_ref, dv_ref,
+               dbeta_ref, dgate_ref, end_ref, survive_ref, q_s, k_s, do_s, s0_s, dend_s, *scratch, scale, num_heads,
+               segmented):
+    """One chunk i of value head bh = b * H + h. vec_ref: `token_vectors` (6, B*H, Tp). Outputs: dq, dk, dv (B, Tp,
+    H, 128) bf16; dbeta, dL/dG's per-token terms, the end terms (B*H, Tp) fp32; survival row sums (B*H, nt*K)."""
+    C, K = CHUNK, HEAD_DIM
+    n_vec = len(ROW_VECTORS) + len(COL_VECTORS)
+    vec_s, scratch = scratch[:n_vec], scratch[n_vec:]
+    u_hi, u_lo, x_hi, x_lo, dks_s, eu_s, p_hi, p_lo, a_s, ones_s, barrier = scratch
+    row_vec = dict(zip(ROW_VECTORS, vec_s[:len(ROW_VECTORS)]))
+    col_vec = dict(zip(COL_VECTORS, vec_s[len(ROW_VECTORS):]))
+    i = lax.axis_index("chunk")
+    bh = lax.axis_index("head")
+    b, h = bh // num_heads, bh % num_heads
+    tokens = pl.ds(i * C, C)
+    state_rows = pl.ds(i * K, K)
+    halves = [pl.ds(j * HALF, HALF) for j in range(2)]
+
+    copies = [(q_ref.at[b, tokens, h, :], q_s), (k_ref.at[b, tokens, h, :], k_s)]
+    for j, cols in enumerate(halves):
+        copies += [(do_ref.at[b, tokens, h, cols], do_s.at[j]),
+                   (starts_ref.at[b, h, state_rows, cols], s0_s.at[j]),
+                   (dends_ref.at[b, h, state_rows, cols], dend_s.at[j])]
+    copies += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in row_vec.items()]
+    copies += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in col_vec.items()]
+    for src, dst in copies:
+        plgpu.copy_gmem_to_smem(src, dst, barrier)
+    ones_s[...] = mc.wgmma_layout(jnp.ones((C, C), BF16))  # colsum(Z) = rows of Z^T times ones
+    plgpu.barrier_wait(barrier)
+
+    beta = mc.row_vector(row_vec["beta"])
+    from_start = mc.row_vector(row_vec["from_start"])
+    to_end = mc.row_vector(row_vec["to_end"])
+    beta_start = beta * from_start
+    rows = lambda x, m=HALF: mc.broadcast_rows(x, m)
+    zero = lambda n: plgpu.layout_cast(jnp.zeros((n,), F32), plgpu.Layout.WGMMA.reduce(1))
+    load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
+
+    def v_contractions(dp_ref, nda_ref):
+        """dO u^T and dx u^T over both halves (into dp_ref, nda_ref), dv, and the per-token sums."""
+        dbeta, dgate, end = zero(C), zero(C), zero(C)
+        survive = plgpu.layout_cast(jnp.zeros((K,), F32), plgpu.Layout.WGMMA.reduce(1))
+        for j, cols in enumerate(halves):
+            def state_products(ks_ref, kd_ref):
+                plgpu.wgmma(ks_ref, k_s, s0_s.at[j])
+                plgpu.wgmma(kd_ref, k_s, dend_s.at[j])
+                return ks_ref[...], kd_ref[...]
+
+            # Reading KS and KD waits for every wgmma in flight: the previous half's products are done with the
+            # u and dx tiles written below.
+            ks, kd = pl.run_scoped(state_products, mc.acc(C, HALF), mc.acc(C, HALF))
+            u = load(u_ref.at[b, tokens, h, cols])
+            mc.store_split(u, u_hi, u_lo)
+            mc.store_bf16(rows(to_end) * u, eu_s.at[j])
+            end = end + to_end * jnp.sum(u * kd, axis=1)
+            dx = load(dx_ref.at[b, tokens, h, cols])
+            mc.store_split(dx, x_hi, x_lo)
+            mc.store_bf16(rows(-beta_start) * dx, dks_s.at[j])
+            dv_ref.at[b, tokens, h, cols][...] = mc.wgmma_layout((rows(beta) * dx).astype(dv_ref.dtype))
+            y = load(v_ref.at[b, tokens, h, cols]).astype(F32) - rows(from_start) * ks
+            dbeta = dbeta + jnp.sum(dx * y, axis=1)
+            dgate = dgate - jnp.sum(rows(beta_start) * dx * ks, axis=1)  # through carry exp(G) in (3)
+            survive = survive + jnp.sum(load(s0_s.at[j]).astype(F32) * load(dend_s.at[j]).astype(F32), axis=1)
+            plgpu.commit_smem()
+            plgpu.wgmma(dp_ref, do_s.at[j], u_hi.transpose((1, 0)))
+            plgpu.wgmma(dp_ref, do_s.at[j], u_lo.transpose((1, 0)))
+            plgpu.wgmma(nda_ref, x_hi, u_hi.transpose((1, 0)))
+            plgpu.wgmma(nda_ref, x_hi, u_lo.transpose((1, 0)))
+            plgpu.wgmma(nda_ref, x_lo, u_hi.transpose((1, 0)))
+        return dp_ref[...], nda_ref[...], dbeta, dgate, end, survive
+
+    dp, nda, dbeta, dgate, end, survive = pl.run_scoped(v_contractions, mc.acc(C, C), mc.acc(C, C))
+
+    def key_products(qk_ref, kk_ref):
+        plgpu.wgmma(qk_ref, q_s, k_s.transpose((1, 0)))
+        plgpu.wgmma(kk_ref, k_s, k_s.transpose((1, 0)))
+        return qk_ref[...], kk_ref[...]
+
+    qk, kk = pl.run_scoped(key_products, mc.acc(C, C), mc.acc(C, C))
+    causal, strict = mc.chunk_masks(row_vec["doc"], col_vec["doc"], C, segmented)
+    decay = mc.pair_decay(row_vec["g_hi"], row_vec["g_lo"], col_vec["g_hi"], col_vec["g_lo"], causal, C)
+    dp = mc.wgmma_layout(scale * dp * decay)  # dL/d(Q K^T) of (5), decayed
+    mc.store_split(dp, p_hi, p_lo)
+    decay_strict = jnp.where(strict, decay, 0.0)
+    da = jnp.where(strict, -nda, 0.0)  # dA = -T^T du (T beta y)^T = -dx u^T
+    dbeta = dbeta + jnp.sum(da * kk * decay_strict, axis=1)
+    da_k = mc.wgmma_layout(da * decay_strict * rows(beta, C))  # dL/d(k_t . k_s)
+    mc.store_bf16(da_k, a_s)
+    z = mc.wgmma_layout(jnp.where(strict, dp * qk, 0.0) + da_k * kk)
+    dgate = dgate + jnp.sum(z, axis=1)
+    mc.store_split(z, u_hi, u_lo)  # the u tiles are free: reading Q K^T waited for every wgmma
+    plgpu.commit_smem()
+
+    def column_sums(acc_ref):
+        plgpu.wgmma(acc_ref, u_hi.transpose((1, 0)), ones_s)
+        plgpu.wgmma(acc_ref, u_lo.transpose((1, 0)), ones_s)
+        return jnp.max(acc_ref[...], axis=1)  # every column holds the same sum
+
+    dgate = dgate - pl.run_scoped(column_sums, mc.acc(C, C))
+
+    def query_grads(state_ref, pair_ref):
+        for j in range(2):
+            plgpu.wgmma(state_ref, do_s.at[j], s0_s.at[j].transpose((1, 0)))
+        plgpu.wgmma(pair_ref, p_hi, k_s)
+        plgpu.wgmma(pair_ref, p_lo, k_s)
+        dq_state = mc.wgmma_layout(scale * rows(from_start, K) * state_ref[...])
+        local = jnp.sum(dq_state * load(q_s).astype(F32), axis=1)
+        return mc.wgmma_layout(dq_state + pair_ref[...]), local
+
+    dq, local = pl.run_scoped(query_grads, mc.acc(C, K), mc.acc(C, K))
+    dq_ref.at[b, tokens, h, :][...] = mc.wgmma_layout(dq.astype(dq_ref.dtype))
+
+    def key_grads(acc_ref):
+        plgpu.wgmma(acc_ref, p_hi.transpose((1, 0)), q_s)
+        plgpu.wgmma(acc_ref, p_lo.transpose((1, 0)), q_s)
+        plgpu.wgmma(acc_ref, a_s, k_s)
+        plgpu.wgmma(acc_ref, a_s.transpose((1, 0)), k_s)
+        for j in range(2):
+            plgpu.wgmma(acc_ref, dks_s.at[j], s0_s.at[j].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, eu_s.at[j], dend_s.at[j].transpose((1, 0)))
+        return acc_ref[...]
+
+    dk = pl.run_scoped(key_grads, mc.acc(C, K))
+    dk_ref.at[b, tokens, h, :][...] = mc.wgmma_layout(dk.astype(dk_ref.dtype))
+    dbeta_ref.at[bh, tokens][...] = dbeta
+    dgate_ref.at[bh, tokens][...] = dgate + local
+    end_ref.at[bh, tokens][...] = end
+    survive_ref.at[bh, state_rows][...] = survive
+
+
+def token_vectors(g, beta, carry, tail, doc):
+    """The kernel's per-token vectors (6, B*H, Tp) fp32, `ROW_VECTORS`' order: G hi, G lo, beta, carry exp(G),
+    tail exp(G_C - G), the document index. g: [hi, lo] x (B, Tp, H); carry, tail: (B, Tp, 1); doc: (B, Tp)."""
+    B, Tp, H = beta.shape
+    nt, C = Tp // CHUNK, CHUNK
+    hi, lo = (x.reshape(B, nt, C, H) for x in g)
+    carry_c, tail_c = carry.reshape(B, nt, C, 1), tail.reshape(B, nt, C, 1)
+    from_start = carry_c * jnp.exp(hi + lo)
+    to_end = tail_c * jnp.exp((hi[:, :, -1:] - hi) + (lo[:, :, -1:] - lo))
+    doc = jnp.broadcast_to(doc.astype(F32)[:, :, None], (B, Tp, H))
+    heads_major = lambda x: jnp.moveaxis(x.reshape(B, Tp, H), 2, 1).reshape(B * H, Tp)
+    return jnp.stack([heads_major(x.astype(F32)) for x in (hi, lo, beta, from_start, to_end, doc)])
+
+
+def _scratch_types():
+    C, K = CHUNK, HEAD_DIM
+    inputs = (mc.tiled((C, K)), mc.tiled((C, K)), mc.tiled((2, C, HALF)), mc.tiled((2, K, HALF)),
+              mc.tiled((2, K, HALF)))
+    vectors = tuple(plgpu.SMEM((C,), F32) for _ in ROW_VECTORS + COL_VECTORS)
+    operands = (mc.tiled((C, HALF)), mc.tiled((C, HALF)), mc.tiled((C, HALF)), mc.tiled((C, HALF)),
+                mc.tiled((2, C, HALF)), mc.tiled((2, C, HALF)), mc.tiled((C, C)), mc.tiled((C, C)),
+                mc.tiled((C, C)), mc.tiled((C, C)))
+    n_copies = 2 + 3 * 2 + len(ROW_VECTORS) + len(COL_VECTORS)
+    return inputs + vectors + operands + (plgpu.Barrier(num_arrivals=n_copies),)
+
+
+def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale, segmented, interpret):
+    """(dq, dk, dv, dbeta, d(log_decay)) of every chunk, as `wy_chunk._grads` returns them for "merged": padded
+    inputs (Tp a multiple of 64), g = [hi, lo] in-chunk gates, starts / dends (B, H, nt*K, V) bf16, u / dx
+    (B, Tp, H, V) fp32, do bf16."""
+    B, Tp, H, K = q.shape
+    V = v.shape[-1]
+    nt = Tp // CHUNK
+    vectors = token_vectors(g, beta, carry, tail, doc)
+    bh_vector = jax.ShapeDtypeStruct((B * H, Tp), F32)
+    out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), bh_vector, bh_vector, bh_vector,
+                jax.ShapeDtypeStruct((B * H, nt * K), F32))
+    kernel = plgpu.kernel(
+        functools.partial(_grad_body, scale=scale, num_heads=H, segmented=segmented), out_type=out_type,
+        scratch_types=_scratch_types(), grid=(nt, B * H), grid_names=("chunk", "head"),
+        compiler_params=plgpu.CompilerParams(), interpret=plgpu.InterpretGPUParams() if interpret else False,
+        kernel_name="wy_grads_mosaic")
+    dq, dk, dv, dbeta, dgate, end, survive_rows = kernel(q, k, v, do, u, dx, starts, dends, vectors)
+    heads_last = lambda x: jnp.moveaxis(x.reshape(B, H, Tp), 1, 2)
+    dlog = _dlog(heads_last(dgate), heads_last(end), survive_rows.reshape(B, H, nt, K).sum(-1), g, carry)
+    return dq, dk, dv, heads_last(dbeta), dlog
+
+
+def _dlog(dgate, end, survive_sums, g, carry):
+    """d(log_decay) per token (B, Tp, H), as `wy_chunk._dlog` forms it: the in-chunk reverse cumsum of dL/dG's
+    per-token terms, the end terms as an exclusive prefix sum, and every token's share of the chunk's survival
+    factor carry_C exp(G_C) times sum(S_0 (.) dS_end)."""
+    B, Tp, H = dgate.shape
+    nt, C = Tp // CHUNK, CHUNK
+    chunks = lambda x: x.reshape(B, nt, C, H)
+    from_here = jnp.flip(jnp.cumsum(jnp.flip(chunks(dgate), 2), axis=2), 2)
+    ended_before = jnp.cumsum(jnp.pad(chunks(end)[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0))), axis=2)
+    hi_last, lo_last = (chunks(x)[:, :, -1] for x in g)  # (B, nt, H)
+    survive = carry.reshape(B, nt, C)[:, :, -1:] * jnp.exp(hi_last + lo_last)
+    survive_term = (survive * jnp.moveaxis(survive_sums, 1, 2))[:, :, None, :]
+    return (from_here + ended_before + survive_term).reshape(B, Tp, H)

@@ -1,0 +1,109 @@
+"""The Mosaic GPU gradient kernel of the Gated DeltaNet (`kernels/gpu/mosaic_wy_grads.py`).
+
+Oracle: the Triton "merged" gradient kernel (`wy_chunk._grads`, itself checked against the fp32 scan's gradients)
+on the same residuals, the start states, end-state cotangents, u and dx of the Triton passes. Both take the same
+product precisions, so they agree to the bf16 rounding of dq, dk, dv and to fp32 summation order elsewhere. The
+whole backward against the scan's gradients is `test_mosaic_wy.test_gradients_match_scan_in_interpreter` (CPU) and
+`test_gpu_gradients_match_scan` (GPU). On CPU the kernel runs in the Mosaic GPU interpreter and is lowered for an
+abstract H100.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from deltajax.kernels.gpu import mosaic_wy_grads, wy_chunk
+from testing_utils import fresh_key, relative_error, rule_inputs
+
+warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
+
+ON_GPU = jax.default_backend() == "gpu"
+D = mosaic_wy_grads.HEAD_DIM
+SCALE = D ** -0.5
+# dq, dk, dv are bf16 outputs: one rounding each (relative 2^-9 at most per element); the rest is fp32.
+TOLS = dict(dq=4e-3, dk=4e-3, dv=4e-3, dbeta=2e-5, dlog=2e-5)
+
+
+def _residuals(x, do, dfinal):
+    """The Triton passes' residuals for the gradient kernels, padded: (q, k, v, beta, g, doc, carry, tail, starts,
+    dends, do, u, dx) and the Triton config."""
+    segmented = x["segment_ids"] is not None
+    cfg = wy_chunk.default_config(x["q"], x["v"], scale=SCALE, chunk_size=64, delta=True, segmented=segmented,
+                                  interpret=not ON_GPU, gated=x["log_decay"] is not None)
+    assert cfg.grad_method == "merged" and wy_chunk._saves_u_dx(cfg) and cfg.state_storage == "bf16"
+    args = wy_chunk.padded_call_inputs(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], x["initial_state"],
+                                       x["segment_ids"], 64)
+    q, k, v, beta, g, doc, carry, tail, t, t_grads, starts, (u,) = wy_chunk._wy_fwd(cfg, *args)[1]
+    do = jnp.pad(do, ((0, 0), (0, q.shape[1] - do.shape[1]), (0, 0), (0, 0)))
+    _, dends, dx = wy_chunk._reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal)
+    return cfg, t_grads, (q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx)
+
+
+def _compare(x):
+    B, T, H, _ = x["q"].shape
+    kd, kf = jax.random.split(fresh_key())
+    do = jax.random.normal(kd, (B, T, H, D), jnp.bfloat16)
+    dfinal = jax.random.normal(kf, (B, H, D, D), jnp.float32)
+    cfg, t_grads, res = _residuals(x, do, dfinal)
+    segmented = x["segment_ids"] is not None
+    ours = jax.jit(lambda *a: mosaic_wy_grads.grads(*a, scale=SCALE, segmented=segmented,
+                                                    interpret=not ON_GPU))(*res)
+    q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx = res
+    ref = jax.jit(lambda *a: wy_chunk._grads(cfg, *a[:12], saved=a[12:]))(
+        q, k, v, beta, t_grads, g, doc, carry, tail, starts, dends, do, u, dx)
+    for name, a, r in zip(TOLS, ours, ref):
+        assert a.shape == r.shape, (name, a.shape, r.shape)
+        error = relative_error(a.astype(jnp.float32), r.astype(jnp.float32))
+        print(f"{name} {error:.2e}")
+        assert error <= TOLS[name], (name, error)
+
+
+@pytest.mark.parametrize("case", ["plain", "packed", "strong_decay", "near_zero_decay", "correlated_keys"])
+def test_matches_the_triton_kernel_in_interpreter(case):
+    """T not a multiple of 64, beta up to 2, an initial state; packed documents; strong (log-decay down to -8 per
+    token) and near-zero decay; keys drawn around one direction."""
+    kwargs = dict(B=1, T=150, H=2, K=D, V=D, dtype=jnp.bfloat16, beta_max=2.0, with_initial_state=True)
+    kwargs.update(dict(packed=dict(packed=True), strong_decay=dict(decay_scale=8.0),
+                       near_zero_decay=dict(decay_scale=1e-4)).get(case, {}))
+    x = rule_inputs(fresh_key(), **kwargs)
+    if case == "correlated_keys":
+        k = x["k"].astype(jnp.float32)
+        k = k[:, :1] + 0.1 * k
+        x["k"] = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+    _compare(x)
+
+
+def test_without_decay_in_interpreter():
+    _compare(rule_inputs(fresh_key(), B=1, T=64, H=1, K=D, V=D, dtype=jnp.bfloat16, decay="none", packed=True))
+
+
+H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
+                    abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                                   platform="gpu"))
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_lowers_for_cuda(segmented):
+    """Catches what the interpreter accepts but Mosaic GPU cannot lower (layouts, wgmma operands, transposed
+    views)."""
+    B, Tp, H = 1, 192, 2
+    nt = Tp // 64
+    S = jax.ShapeDtypeStruct
+    key, value, state = S((B, Tp, H, D), jnp.bfloat16), S((B, Tp, H, D), jnp.float32), S((B, H, nt * D, D),
+                                                                                         jnp.bfloat16)
+    args = (key, key, key, S((B, Tp, H), jnp.float32), S((2, B, Tp, H), jnp.float32), S((B, Tp), jnp.int32),
+            S((B, Tp), jnp.float32), S((B, Tp), jnp.float32), state, state, key, value, value)
+    fn = jax.jit(lambda *a: mosaic_wy_grads.grads(*a, scale=SCALE, segmented=segmented, interpret=False))
+    with jax.sharding.use_abstract_mesh(H100):
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == 1
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_matches_the_triton_kernel(packed):
+    _compare(rule_inputs(fresh_key(), B=2, T=1000, H=4, K=D, V=D, dtype=jnp.bfloat16, beta_max=2.0, packed=packed,
+                         with_initial_state=True))

@@ -69,9 +69,12 @@ def main(argv):
             continue
         mosaic = jax.jit(lambda *a: mosaic_wy_grads.grads(*a, scale=D ** -0.5, segmented=False, interpret=False))
         triton = jax.jit(lambda *a: wy_chunk._grads(cfg, *a[:4], t_grads, *a[4:11], saved=a[11:]))
+        # The Mosaic kernel reads u and dx as bf16 (hi, lo) halves, as the Mosaic pass and the reverse pass write
+        # them under differentiation: split here, outside the timing.
+        res_pairs = res[:11] + tuple(jax.jit(mosaic_wy_grads.as_pair)(x) for x in res[11:])
         try:
-            ours, ref = mosaic(*res), triton(*res)
-            row += [f"{ms(mosaic, *res):.3f}", f"{ms(triton, *res):.3f}",
+            ours, ref = mosaic(*res_pairs), triton(*res)
+            row += [f"{ms(mosaic, *res_pairs):.3f}", f"{ms(triton, *res):.3f}",
                     ", ".join(f"{rel(a.astype(jnp.float32), r.astype(jnp.float32)):.1e}" for a, r in zip(ours, ref))]
         except Exception as e:
             row += [f"failed: {type(e).__name__}: {str(e)[:300]}", "-", "-"]

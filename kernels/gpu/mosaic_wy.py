@@ -230,7 +230,8 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented, saved=None):
     tile (through `tiles.o_smem` and a TMA to `o_tile`) and returns the next state. `inputs`: this chunk's SMEM refs
     q, k (C x K), v (C x BV), T hi, T lo, then the vectors G hi, G lo, beta, carry exp(G), tail exp(G_C - G),
     survive (K), G hi, G lo again and doc twice (rows and columns, see `_forward_body`). `saved`: None, or the GMEM
-    tiles (start state, u) where the chunk's start state (bf16, as the Triton backward reads it) and u (fp32) go."""
+    tiles (start state, u hi, u lo) where the chunk's start state (bf16) and u (as its bf16 hi/lo pair) go, copied
+    from the operand tiles by TMA."""
     C, K, BV = CHUNK, HEAD_DIM, cfg.block_v
     q, k, v, t_hi, t_lo, g_hi, g_lo, beta, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c = inputs
     separate = cfg.lo_accumulators == "separate"
@@ -317,18 +318,25 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented, saved=None):
     if p_in_smem:
         p_parts = (tiles.p_hi, tiles.p_lo)
     end_operand = lambda: mc.rows(to_end, BV) * u  # diag(tail exp(G_C - G)) u, the state-update operand of (6)
-    if saved is not None:
-        saved[1][...] = u  # straight from registers: no SMEM to spare for an fp32 tile with two consumers
+    def save_u(u_hi, u_lo):
+        if saved is not None:
+            plgpu.copy_smem_to_gmem(u_hi, saved[1])
+            plgpu.copy_smem_to_gmem(u_lo, saved[2])
+
     if tiles.u_hi is not None:
         mc.store_split(u, tiles.u_hi, tiles.u_lo)
         # x_* is free again (the wgmmas above have completed): it takes the state-update operand.
         mc.store_split(end_operand(), x_hi, x_lo)
         plgpu.commit_smem()
+        save_u(tiles.u_hi, tiles.u_lo)  # read before the next chunk writes u: see the wait before o_smem below
         o = output(tiles.u_hi, tiles.u_lo)
     else:  # one operand pair: u through x for P u, then (once P u has completed) the update operand
         mc.store_split(u, x_hi, x_lo)
         plgpu.commit_smem()
+        save_u(x_hi, x_lo)
         o = output(x_hi, x_lo)
+        if saved is not None:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # u's copies have read x_*
         mc.store_split(end_operand(), x_hi, x_lo)
         plgpu.commit_smem()
 
@@ -363,8 +371,9 @@ def _saved_tiles(saved_refs, b, h, i, cols):
     """The GMEM tiles of chunk i where `_chunk_step` saves the start state and u, or None (no saved outputs)."""
     if not saved_refs:
         return None
-    starts_ref, u_ref = saved_refs
-    return (starts_ref.at[b, h, pl.ds(i * HEAD_DIM, HEAD_DIM), cols], u_ref.at[b, pl.ds(i * CHUNK, CHUNK), h, cols])
+    starts_ref, *u_refs = saved_refs
+    tokens = pl.ds(i * CHUNK, CHUNK)
+    return (starts_ref.at[b, h, pl.ds(i * HEAD_DIM, HEAD_DIM), cols], *(ref.at[b, tokens, h, cols] for ref in u_refs))
 
 
 def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_ref, o_ref, final_ref, *refs,
@@ -372,13 +381,14 @@ def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_
     """One CTA of one warpgroup: value head bh = b * Hv + h, V block j. t_ref: T as bf16 (hi, lo) stacked on a
     leading axis (2, B, Tp, Hv, C). vec_ref rows: G hi, G lo, beta, carry exp(G), tail exp(G_C - G) (each
     (B*Hv, Tp)); doc_ref: the document index as fp32 (B, Tp); survive_ref: the chunk survival factor repeated K times
-    per chunk (B*Hv, nt*K). refs: with_states, the start states (B, Hv, nt*K, V) and u (B, Tp, Hv, V); then the
+    per chunk (B*Hv, nt*K). refs: with_states, the start states (B, Hv, nt*K, V) and u's bf16 hi and lo halves
+    (B, Tp, Hv, V); then the
     scratch, `_Tiles`' fields in order, those in use.
 
     G and doc enter the pipeline twice, once for the rows and once for the columns of the C x C mask and decay:
     Mosaic GPU's layout inference finds no solution when one SMEM vector is loaded in both the row and the column
     layout (see docs/mosaic.md)."""
-    saved_refs, scratch = (refs[:2], refs[2:]) if with_states else ((), refs)
+    saved_refs, scratch = (refs[:3], refs[3:]) if with_states else ((), refs)
     tiles = _unpack_tiles(cfg, list(scratch), two_pairs=True)
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
@@ -408,7 +418,7 @@ def _forward_body_shared_head(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, surv
     128), and a producer warpgroup streaming the chunk inputs through TMA (`emit_pipeline_warp_specialized`).
     q, k, T and the vectors are loaded once for both halves. Each consumer has its own scratch (a leading axis of
     2 on every tile) with one operand pair x (to fit 227 KiB of SMEM), so u goes through x after T diag(beta) y."""
-    saved_refs, scratch = (refs[:2], refs[2:]) if with_states else ((), refs)
+    saved_refs, scratch = (refs[:3], refs[3:]) if with_states else ((), refs)
     wg = lax.axis_index("wg")
     tiles = _unpack_tiles(cfg, [ref.at[wg] for ref in scratch], two_pairs=False)
     bh = lax.axis_index("head")
@@ -459,15 +469,15 @@ def _scratch_types(cfg, dtype, two_pairs, copies=None):
 
 def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, segmented, interpret,
                   with_states=False):
-    """(o, final state), and `with_states` every chunk's start state (bf16, (B, H, nt*K, V)) and u (fp32,
-    (B, Tp, H, V)), the residuals of the Triton backward."""
+    """(o, final state), and `with_states` every chunk's start state (bf16, (B, H, nt*K, V)) and u as its bf16
+    (hi, lo) halves (two (B, Tp, H, V) arrays), the residuals of the backward."""
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     nt = Tp // CHUNK
     common = dict(scale=scale, nt=nt, num_heads=H, segmented=segmented, cfg=cfg, with_states=with_states)
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32))
     if with_states:
-        out_type += (jax.ShapeDtypeStruct((B, H, nt * K, V), BF16), jax.ShapeDtypeStruct((B, Tp, H, V), F32))
+        out_type += (jax.ShapeDtypeStruct((B, H, nt * K, V), BF16),) + (jax.ShapeDtypeStruct((B, Tp, H, V), BF16),) * 2
     interpret = plgpu.InterpretGPUParams() if interpret else False
     if cfg.warpgroups == 2:
         kernel = plgpu.kernel(
@@ -548,10 +558,10 @@ def _wy_mosaic_fwd(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
     t_fp32, t_pair = written if reverse_fp32 else (None, written)
     inputs = _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, scale=scale, segmented=segmented,
                           interpret=interpret, g=g, t_pair=t_pair)
-    o, final, starts, u = _forward_pass(cfg, q, k, v, *inputs, h0, scale=scale, segmented=segmented,
-                                        interpret=interpret, with_states=True)
+    o, final, starts, u_hi, u_lo = _forward_pass(cfg, q, k, v, *inputs, h0, scale=scale, segmented=segmented,
+                                                 interpret=interpret, with_states=True)
     t_reverse = t_fp32 if reverse_fp32 else t_pair
-    return (o, final), (q, k, v, beta, g, doc, carry, tail, t_reverse, None, starts, [u])
+    return (o, final), (q, k, v, beta, g, doc, carry, tail, t_reverse, None, starts, [(u_hi, u_lo)])
 
 
 def _mosaic_grads_apply(cfg, tcfg):
@@ -564,12 +574,15 @@ def _wy_mosaic_bwd(static, residuals, cotangents):
     """The Triton reverse pass, then the chunk-parallel gradients in Mosaic GPU (`_mosaic_grads_apply`), or the
     whole Triton backward."""
     cfg, tcfg, scale, segmented, interpret = static
-    if not _mosaic_grads_apply(cfg, tcfg):
-        return wy_chunk._wy_bwd(tcfg, residuals, cotangents)
     q, k, v, beta, g, doc, carry, tail, t, _, starts, (u,) = residuals
+    if not _mosaic_grads_apply(cfg, tcfg):
+        if isinstance(u, tuple):  # the Mosaic pass's pair; the Triton gradient kernel reads fp32 u
+            residuals = residuals[:11] + ([u[0].astype(F32) + u[1].astype(F32)],)
+        return wy_chunk._wy_bwd(tcfg, residuals, cotangents)
     do, dfinal = cotangents
     do = do.astype(v.dtype)
-    dh0, dends, dx = wy_chunk._reverse_pass(tcfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32))
+    dh0, dends, *dx = wy_chunk._reverse_pass(tcfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32),
+                                             dx_pair=True)
     dq, dk, dv, dbeta, dlog = mosaic_wy_grads.grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx,
                                                     scale=scale, segmented=segmented, interpret=interpret)
     return dq, dk, dv, dbeta.astype(beta.dtype), dlog, None, None, None, dh0

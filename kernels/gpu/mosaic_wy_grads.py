@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deltajax.kernels.gpu import mosaic_common as mc
+from deltajax.kernels.gpu.common import split_bf16_in_xla
 
 F32, BF16 = mc.F32, mc.BF16
 CHUNK = 64
@@ -56,15 +57,18 @@ ROW_VECTORS = ("g_hi", "g_lo", "beta", "from_start", "to_end", "doc")
 COL_VECTORS = ("g_hi", "g_lo", "doc")
 
 
-def _grad_body(q_ref, k_ref, v_ref, do_ref, u_ref, dx_ref, starts_ref, dends_ref, vec_ref, dq_ref, dk_ref, dv_ref,
-               dbeta_ref, dgate_ref, end_ref, survive_ref, q_s, k_s, do_s, s0_s, dend_s, *scratch, scale, num_heads,
-               segmented):
-    """One chunk i of value head bh = b * H + h. vec_ref: `token_vectors` (6, B*H, Tp). Outputs: dq, dk, dv (B, Tp,
-    H, 128) bf16; dbeta, dL/dG's per-token terms, the end terms (B*H, Tp) fp32; survival row sums (B*H, nt*K)."""
+def _grad_body(q_ref, k_ref, v_ref, do_ref, u_hi_ref, u_lo_ref, dx_hi_ref, dx_lo_ref, starts_ref, dends_ref, vec_ref,
+               dq_ref, dk_ref, dv_ref,
+               dbeta_ref, dgate_ref, end_ref, survive_ref, q_s, k_s, do_s, s0_s, dend_s, u_s, x_s, *scratch, scale,
+               num_heads, segmented):
+    """One chunk i of value head bh = b * H + h. u and dx come as bf16 (hi, lo) halves (B, Tp, H, V) each;
+    vec_ref: `token_vectors` (6, B*H, Tp). Outputs: dq, dk, dv (B, Tp, H, 128) bf16; dbeta, dL/dG's per-token terms,
+    the end terms (B*H, Tp) fp32; survival row sums (B*H, nt*K). SMEM: the inputs by V half (u_s, x_s: [half, hi/lo]),
+    the dP and dA_k pairs, the vectors; once dk is formed, the dx tiles of the first half hold Z and one u tile a
+    tile of ones."""
     C, K = CHUNK, HEAD_DIM
     n_vec = len(ROW_VECTORS) + len(COL_VECTORS)
-    vec_s, scratch = scratch[:n_vec], scratch[n_vec:]
-    u_hi, u_lo, x_hi, x_lo, dks_s, eu_s, p_hi, p_lo, a_s, ones_s, barrier = scratch
+    (p_hi, p_lo, a_hi, a_lo), vec_s, barriers = scratch[:4], scratch[4:4 + n_vec], scratch[4 + n_vec:]
     row_vec = dict(zip(ROW_VECTORS, vec_s[:len(ROW_VECTORS)]))
     col_vec = dict(zip(COL_VECTORS, vec_s[len(ROW_VECTORS):]))
     i = lax.axis_index("chunk")
@@ -74,17 +78,22 @@ def _grad_body(q_ref, k_ref, v_ref, do_ref, u_ref, dx_ref, starts_ref, dends_ref
     state_rows = pl.ds(i * K, K)
     halves = [pl.ds(j * HALF, HALF) for j in range(2)]
 
-    copies = [(q_ref.at[b, tokens, h, :], q_s), (k_ref.at[b, tokens, h, :], k_s)]
+    # Two groups of copies: what the V contractions start with, then dO and q (read from the first dO u^T on).
+    first = [(k_ref.at[b, tokens, h, :], k_s)]
+    first += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in row_vec.items()]
+    first += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in col_vec.items()]
     for j, cols in enumerate(halves):
-        copies += [(do_ref.at[b, tokens, h, cols], do_s.at[j]),
-                   (starts_ref.at[b, h, state_rows, cols], s0_s.at[j]),
-                   (dends_ref.at[b, h, state_rows, cols], dend_s.at[j])]
-    copies += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in row_vec.items()]
-    copies += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in col_vec.items()]
-    for src, dst in copies:
-        plgpu.copy_gmem_to_smem(src, dst, barrier)
-    ones_s[...] = mc.wgmma_layout(jnp.ones((C, C), BF16))  # colsum(Z) = rows of Z^T times ones
-    plgpu.barrier_wait(barrier)
+        first += [(starts_ref.at[b, h, state_rows, cols], s0_s.at[j]),
+                  (dends_ref.at[b, h, state_rows, cols], dend_s.at[j])]
+        first += [(ref.at[b, tokens, h, cols], tiles.at[j, part])
+                  for refs, tiles in (((u_hi_ref, u_lo_ref), u_s), ((dx_hi_ref, dx_lo_ref), x_s))
+                  for part, ref in enumerate(refs)]
+    second = [(do_ref.at[b, tokens, h, cols], do_s.at[j]) for j, cols in enumerate(halves)]
+    second.append((q_ref.at[b, tokens, h, :], q_s))
+    for group, group_barrier in ((first, barriers[0]), (second, barriers[1])):
+        for src, dst in group:
+            plgpu.copy_gmem_to_smem(src, dst, group_barrier)
+    plgpu.barrier_wait(barriers[0])
 
     beta = mc.row_vector(row_vec["beta"])
     from_start = mc.row_vector(row_vec["from_start"])
@@ -92,98 +101,113 @@ def _grad_body(q_ref, k_ref, v_ref, do_ref, u_ref, dx_ref, starts_ref, dends_ref
     beta_start = beta * from_start
     rows = lambda x, m=HALF: mc.broadcast_rows(x, m)
     zero = lambda n: plgpu.layout_cast(jnp.zeros((n,), F32), plgpu.Layout.WGMMA.reduce(1))
-    load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)
+    load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False).astype(F32)
+    pair = lambda tiles: mc.wgmma_layout(load(tiles.at[0]) + load(tiles.at[1]))  # hi + lo in fp32
+    transposed = lambda ref: ref.transpose((1, 0))
 
-    def v_contractions(dp_ref, nda_ref):
-        """dO u^T and dx u^T over both halves (into dp_ref, nda_ref), dv, and the per-token sums."""
-        dbeta, dgate, end = zero(C), zero(C), zero(C)
-        survive = plgpu.layout_cast(jnp.zeros((K,), F32), plgpu.Layout.WGMMA.reduce(1))
-        for j, cols in enumerate(halves):
-            def state_products(ks_ref, kd_ref):
-                plgpu.wgmma(ks_ref, k_s, s0_s.at[j])
-                plgpu.wgmma(kd_ref, k_s, dend_s.at[j])
-                return ks_ref[...], kd_ref[...]
+    # The V contractions with S_0 and dS_end, half by half: dv and the per-token sums.
+    dbeta, dgate, end = zero(C), zero(C), zero(C)
+    for j, cols in enumerate(halves):
+        def state_products(ks_ref, kd_ref):
+            plgpu.wgmma(ks_ref, k_s, s0_s.at[j])
+            plgpu.wgmma(kd_ref, k_s, dend_s.at[j])
+            v = load(v_ref.at[b, tokens, h, cols])  # from GMEM while the products run
+            return ks_ref[...], kd_ref[...], v
 
-            # Reading KS and KD waits for every wgmma in flight: the previous half's products are done with the
-            # u and dx tiles written below.
-            ks, kd = pl.run_scoped(state_products, mc.acc(C, HALF), mc.acc(C, HALF))
-            u = load(u_ref.at[b, tokens, h, cols])
-            mc.store_split(u, u_hi, u_lo)
-            mc.store_bf16(rows(to_end) * u, eu_s.at[j])
-            end = end + to_end * jnp.sum(u * kd, axis=1)
-            dx = load(dx_ref.at[b, tokens, h, cols])
-            mc.store_split(dx, x_hi, x_lo)
-            mc.store_bf16(rows(-beta_start) * dx, dks_s.at[j])
-            dv_ref.at[b, tokens, h, cols][...] = mc.wgmma_layout((rows(beta) * dx).astype(dv_ref.dtype))
-            y = load(v_ref.at[b, tokens, h, cols]).astype(F32) - rows(from_start) * ks
-            dbeta = dbeta + jnp.sum(dx * y, axis=1)
-            dgate = dgate - jnp.sum(rows(beta_start) * dx * ks, axis=1)  # through carry exp(G) in (3)
-            survive = survive + jnp.sum(load(s0_s.at[j]).astype(F32) * load(dend_s.at[j]).astype(F32), axis=1)
-            plgpu.commit_smem()
-            plgpu.wgmma(dp_ref, do_s.at[j], u_hi.transpose((1, 0)))
-            plgpu.wgmma(dp_ref, do_s.at[j], u_lo.transpose((1, 0)))
-            plgpu.wgmma(nda_ref, x_hi, u_hi.transpose((1, 0)))
-            plgpu.wgmma(nda_ref, x_hi, u_lo.transpose((1, 0)))
-            plgpu.wgmma(nda_ref, x_lo, u_hi.transpose((1, 0)))
-        return dp_ref[...], nda_ref[...], dbeta, dgate, end, survive
+        ks, kd, v = pl.run_scoped(state_products, mc.acc(C, HALF), mc.acc(C, HALF))
+        end = end + to_end * jnp.sum(pair(u_s.at[j]) * kd, axis=1)
+        dx = pair(x_s.at[j])
+        dv_ref.at[b, tokens, h, cols][...] = mc.wgmma_layout((rows(beta) * dx).astype(dv_ref.dtype))
+        dbeta = dbeta + jnp.sum(dx * (v - rows(from_start) * ks), axis=1)  # dx (.) y
+        dgate = dgate - jnp.sum(rows(beta_start) * dx * ks, axis=1)  # through carry exp(G) in (3)
+    plgpu.barrier_wait(barriers[1])
 
-    dp, nda, dbeta, dgate, end, survive = pl.run_scoped(v_contractions, mc.acc(C, C), mc.acc(C, C))
-
-    def key_products(qk_ref, kk_ref):
-        plgpu.wgmma(qk_ref, q_s, k_s.transpose((1, 0)))
-        plgpu.wgmma(kk_ref, k_s, k_s.transpose((1, 0)))
-        return qk_ref[...], kk_ref[...]
-
-    qk, kk = pl.run_scoped(key_products, mc.acc(C, C), mc.acc(C, C))
+    u_parts = [transposed(u_s.at[j, part]) for j in range(2) for part in range(2)]
     causal, strict = mc.chunk_masks(row_vec["doc"], col_vec["doc"], C, segmented)
-    decay = mc.pair_decay(row_vec["g_hi"], row_vec["g_lo"], col_vec["g_hi"], col_vec["g_lo"], causal, C)
-    dp = mc.wgmma_layout(scale * dp * decay)  # dL/d(Q K^T) of (5), decayed
-    mc.store_split(dp, p_hi, p_lo)
-    decay_strict = jnp.where(strict, decay, 0.0)
-    da = jnp.where(strict, -nda, 0.0)  # dA = -T^T du (T beta y)^T = -dx u^T
-    dbeta = dbeta + jnp.sum(da * kk * decay_strict, axis=1)
-    da_k = mc.wgmma_layout(da * decay_strict * rows(beta, C))  # dL/d(k_t . k_s)
-    mc.store_bf16(da_k, a_s)
-    z = mc.wgmma_layout(jnp.where(strict, dp * qk, 0.0) + da_k * kk)
+
+    def decayed_score_grads(dp_ref, qk_ref):
+        """dP = scale (dO u^T) (.) decay, stored as its pair; returns (decay, the dP (.) Q K^T part of Z)."""
+        for n, u_part in enumerate(u_parts):
+            plgpu.wgmma(dp_ref, do_s.at[n // 2], u_part)
+        plgpu.wgmma(qk_ref, q_s, transposed(k_s))
+        decay = mc.pair_decay(row_vec["g_hi"], row_vec["g_lo"], col_vec["g_hi"], col_vec["g_lo"], causal, C)
+        dp = mc.wgmma_layout(scale * dp_ref[...] * decay)  # dL/d(Q K^T) of (5), decayed
+        mc.store_split(dp, p_hi, p_lo)
+        return decay, mc.wgmma_layout(jnp.where(strict, dp * qk_ref[...], 0.0))
+
+    decay, z = pl.run_scoped(decayed_score_grads, mc.acc(C, C), mc.acc(C, C))
+
+    def key_pair_grads(nda_ref, kk_ref):
+        """dA_k = beta_t dA (.) decay (t > s), dA = -dx u^T, stored as its pair; returns (its dbeta terms, the
+        dA_k (.) K K^T part of Z)."""
+        for j in range(2):
+            for x_part, u_part in ((0, 0), (0, 1), (1, 0)):  # hi*hi + hi*lo + lo*hi
+                plgpu.wgmma(nda_ref, x_s.at[j, x_part], u_parts[2 * j + u_part])
+        plgpu.wgmma(kk_ref, k_s, transposed(k_s))
+        decay_strict = jnp.where(strict, decay, 0.0)
+        kk = kk_ref[...]
+        da = jnp.where(strict, -nda_ref[...], 0.0)
+        da_k = mc.wgmma_layout(da * decay_strict * rows(beta, C))  # dL/d(k_t . k_s)
+        mc.store_split(da_k, a_hi, a_lo)
+        return jnp.sum(da * kk * decay_strict, axis=1), mc.wgmma_layout(da_k * kk)
+
+    dbeta_pairs, z_keys = pl.run_scoped(key_pair_grads, mc.acc(C, C), mc.acc(C, C))
+    dbeta = dbeta + dbeta_pairs
+    z = mc.wgmma_layout(z + z_keys)
     dgate = dgate + jnp.sum(z, axis=1)
-    mc.store_split(z, u_hi, u_lo)  # the u tiles are free: reading Q K^T waited for every wgmma
+    plgpu.commit_smem()
+
+    def key_grads(pair_ref, dks_ref):
+        """dk's C x C terms, and its state term through S_0: the row factor -beta carry exp(G) of
+        dks = -beta carry exp(G) (.) dx applies after the product."""
+        for a_part, b_ref in ((transposed(p_hi), q_s), (transposed(p_lo), q_s), (a_hi, k_s), (a_lo, k_s),
+                              (transposed(a_hi), k_s), (transposed(a_lo), k_s)):
+            plgpu.wgmma(pair_ref, a_part, b_ref)
+        for j in range(2):
+            for part in range(2):
+                plgpu.wgmma(dks_ref, x_s.at[j, part], transposed(s0_s.at[j]))
+        return mc.wgmma_layout(pair_ref[...] - rows(beta_start, K) * dks_ref[...])
+
+    def end_terms(acc_ref):
+        """(e (.) u) dS_end^T, the factor e = tail exp(G_C - G) after the product."""
+        for j in range(2):
+            for part in range(2):
+                plgpu.wgmma(acc_ref, u_s.at[j, part], transposed(dend_s.at[j]))
+        return mc.wgmma_layout(rows(to_end, K) * acc_ref[...])
+
+    dk = pl.run_scoped(key_grads, mc.acc(C, K), mc.acc(C, K))
+    dk = dk + pl.run_scoped(end_terms, mc.acc(C, K))  # reading it waited for every wgmma: u and dx tiles free
+    dk_ref.at[b, tokens, h, :][...] = mc.wgmma_layout(dk.astype(dk_ref.dtype))
+
+    z_hi, z_lo, ones_s = x_s.at[0, 0], x_s.at[0, 1], u_s.at[0, 0]
+    mc.store_split(z, z_hi, z_lo)
+    ones_s[...] = mc.wgmma_layout(jnp.ones((C, C), BF16))  # colsum(Z) = rows of Z^T times ones
     plgpu.commit_smem()
 
     def column_sums(acc_ref):
-        plgpu.wgmma(acc_ref, u_hi.transpose((1, 0)), ones_s)
-        plgpu.wgmma(acc_ref, u_lo.transpose((1, 0)), ones_s)
+        plgpu.wgmma(acc_ref, transposed(z_hi), ones_s)
+        plgpu.wgmma(acc_ref, transposed(z_lo), ones_s)
         return jnp.max(acc_ref[...], axis=1)  # every column holds the same sum
 
     dgate = dgate - pl.run_scoped(column_sums, mc.acc(C, C))
 
     def query_grads(state_ref, pair_ref):
         for j in range(2):
-            plgpu.wgmma(state_ref, do_s.at[j], s0_s.at[j].transpose((1, 0)))
+            plgpu.wgmma(state_ref, do_s.at[j], transposed(s0_s.at[j]))
         plgpu.wgmma(pair_ref, p_hi, k_s)
         plgpu.wgmma(pair_ref, p_lo, k_s)
         dq_state = mc.wgmma_layout(scale * rows(from_start, K) * state_ref[...])
-        local = jnp.sum(dq_state * load(q_s).astype(F32), axis=1)
+        local = jnp.sum(dq_state * load(q_s), axis=1)
         return mc.wgmma_layout(dq_state + pair_ref[...]), local
 
     dq, local = pl.run_scoped(query_grads, mc.acc(C, K), mc.acc(C, K))
     dq_ref.at[b, tokens, h, :][...] = mc.wgmma_layout(dq.astype(dq_ref.dtype))
-
-    def key_grads(acc_ref):
-        plgpu.wgmma(acc_ref, p_hi.transpose((1, 0)), q_s)
-        plgpu.wgmma(acc_ref, p_lo.transpose((1, 0)), q_s)
-        plgpu.wgmma(acc_ref, a_s, k_s)
-        plgpu.wgmma(acc_ref, a_s.transpose((1, 0)), k_s)
-        for j in range(2):
-            plgpu.wgmma(acc_ref, dks_s.at[j], s0_s.at[j].transpose((1, 0)))
-            plgpu.wgmma(acc_ref, eu_s.at[j], dend_s.at[j].transpose((1, 0)))
-        return acc_ref[...]
-
-    dk = pl.run_scoped(key_grads, mc.acc(C, K))
-    dk_ref.at[b, tokens, h, :][...] = mc.wgmma_layout(dk.astype(dk_ref.dtype))
     dbeta_ref.at[bh, tokens][...] = dbeta
     dgate_ref.at[bh, tokens][...] = dgate + local
     end_ref.at[bh, tokens][...] = end
-    survive_ref.at[bh, state_rows][...] = survive
+    # Last, when few registers are live: sum(S_0 (.) dS_end) by rows, for the survival factor's gradient.
+    survive_ref.at[bh, state_rows][...] = sum(jnp.sum(load(s0_s.at[j]) * load(dend_s.at[j]), axis=1)
+                                              for j in range(2))
 
 
 def token_vectors(g, beta, carry, tail, doc):
@@ -203,19 +227,25 @@ def token_vectors(g, beta, carry, tail, doc):
 def _scratch_types():
     C, K = CHUNK, HEAD_DIM
     inputs = (mc.tiled((C, K)), mc.tiled((C, K)), mc.tiled((2, C, HALF)), mc.tiled((2, K, HALF)),
-              mc.tiled((2, K, HALF)))
+              mc.tiled((2, K, HALF)), mc.tiled((2, 2, C, HALF)), mc.tiled((2, 2, C, HALF)))
     vectors = tuple(plgpu.SMEM((C,), F32) for _ in ROW_VECTORS + COL_VECTORS)
-    operands = (mc.tiled((C, HALF)), mc.tiled((C, HALF)), mc.tiled((C, HALF)), mc.tiled((C, HALF)),
-                mc.tiled((2, C, HALF)), mc.tiled((2, C, HALF)), mc.tiled((C, C)), mc.tiled((C, C)),
-                mc.tiled((C, C)), mc.tiled((C, C)))
-    n_copies = 2 + 3 * 2 + len(ROW_VECTORS) + len(COL_VECTORS)
-    return inputs + vectors + operands + (plgpu.Barrier(num_arrivals=n_copies),)
+    operands = tuple(mc.tiled((C, C)) for _ in range(4))
+    # Arrivals: one per copy of each group (`_grad_body`).
+    first = 1 + len(ROW_VECTORS) + len(COL_VECTORS) + 2 * (2 + 4)
+    second = 2 + 1
+    return inputs + operands + vectors + (plgpu.Barrier(num_arrivals=first), plgpu.Barrier(num_arrivals=second))
+
+
+def as_pair(x):
+    """An fp32 array as its bf16 (hi, lo) halves; a pair of halves as it is."""
+    return tuple(x) if isinstance(x, (tuple, list)) else split_bf16_in_xla(x)
 
 
 def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale, segmented, interpret):
     """(dq, dk, dv, dbeta, d(log_decay)) of every chunk, as `wy_chunk._grads` returns them for "merged": padded
-    inputs (Tp a multiple of 64), g = [hi, lo] in-chunk gates, starts / dends (B, H, nt*K, V) bf16, u / dx
-    (B, Tp, H, V) fp32, do bf16."""
+    inputs (Tp a multiple of 64), g = [hi, lo] in-chunk gates, starts / dends (B, H, nt*K, V) bf16, do bf16, u and
+    dx each as its bf16 (hi, lo) halves (B, Tp, H, V) (fp32 arrays are split in XLA, `as_pair`)."""
+    u, dx = as_pair(u), as_pair(dx)
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     nt = Tp // CHUNK
@@ -229,7 +259,7 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
         scratch_types=_scratch_types(), grid=(nt, B * H), grid_names=("chunk", "head"),
         compiler_params=plgpu.CompilerParams(), interpret=plgpu.InterpretGPUParams() if interpret else False,
         kernel_name="wy_grads_mosaic")
-    dq, dk, dv, dbeta, dgate, end, survive_rows = kernel(q, k, v, do, u, dx, starts, dends, vectors)
+    dq, dk, dv, dbeta, dgate, end, survive_rows = kernel(q, k, v, do, *u, *dx, starts, dends, vectors)
     heads_last = lambda x: jnp.moveaxis(x.reshape(B, H, Tp), 1, 2)
     dlog = _dlog(heads_last(dgate), heads_last(end), survive_rows.reshape(B, H, nt, K).sum(-1), g, carry)
     return dq, dk, dv, heads_last(dbeta), dlog

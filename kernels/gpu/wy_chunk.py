@@ -694,8 +694,10 @@ def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, scalar_refs, 
             du = (cfg.scale * _dot(p, do, ta=True, mode=cfg.grad_dots)
                   + to_end[:, None] * _dot(k, ds, mode=cfg.state_dots))
             dx = _inverse_dot(t_ref, rows, du, cfg, ta=True)  # dL/d(beta y) of eq. (4)
-            if dx_ref:
+            if len(dx_ref) == 1:
                 dx_ref[0][rows, :] = dx
+            elif dx_ref:  # as its bf16 (hi, lo) pair
+                dx_ref[0][rows, :], dx_ref[1][rows, :] = _split_bf16(dx)
             dks = -(beta_ref[rows] * from_start)[:, None] * dx  # dL/d(K S_0) of eq. (3)
             ds_start = ds_start + _dot(k, dks, ta=True, mode=cfg.grad_dots)
         return ds_start
@@ -703,13 +705,16 @@ def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, scalar_refs, 
     dh0_ref[...] = _pass_loop(cfg, nt, scalar_refs, chunk, dfinal_ref[...], reverse=True)
 
 
-def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal):
+def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal, *, dx_pair=False):
+    """(dL/d(initial state), every chunk's end-state cotangent) and, where the gradient kernels read it
+    (`_saves_u_dx`), dx = dL/d(beta y): fp32, or with `dx_pair` its bf16 (hi, lo) halves as two arrays."""
     B, Tp, H, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
     BV, nt, sp, out_specs, out_shape = _pass_layout(cfg, t, B, Tp, K, Hv, V)
     if _saves_u_dx(cfg):
-        out_specs.append(sp["value"])
-        out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
+        for dtype in (BF16, BF16) if dx_pair else (F32,):
+            out_specs.append(sp["value"])
+            out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), dtype))
     scalars, scalar_specs = _pass_scalar_inputs(cfg, sp, g, carry, tail, gates=False)
     return pl.pallas_call(
         functools.partial(_reverse_kernel, cfg=cfg, nt=nt),

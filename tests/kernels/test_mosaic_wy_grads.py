@@ -23,8 +23,12 @@ warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarn
 ON_GPU = jax.default_backend() == "gpu"
 D = mosaic_wy_grads.HEAD_DIM
 SCALE = D ** -0.5
-# dq, dk, dv are bf16 outputs: one rounding each (relative 2^-9 at most per element); the rest is fp32.
-TOLS = dict(dq=4e-3, dk=4e-3, dv=4e-3, dbeta=2e-5, dlog=2e-5)
+# dq, dk, dv are bf16 outputs: one rounding each (relative 2^-9 at most per element). dbeta and d(log_decay) are
+# fp32 from products in the split mode on both sides (~2^-16 relative per product), the Mosaic kernel reading u and
+# dx as bf16 pairs (2^-17 relative) where the Triton one splits fp32 values; d(log_decay) sums them with
+# cancellation (reverse cumsums). In the interpreter (2026-11-26): dbeta 1.6e-6 to 2.3e-6, d(log_decay) 7e-7 to
+# 2.3e-5 over six draws.
+TOLS = dict(dq=4e-3, dk=4e-3, dv=4e-3, dbeta=1e-4, dlog=1e-4)
 
 
 def _residuals(x, do, dfinal):
@@ -52,7 +56,10 @@ def _compare(x):
     ours = jax.jit(lambda *a: mosaic_wy_grads.grads(*a, scale=SCALE, segmented=segmented,
                                                     interpret=not ON_GPU))(*res)
     q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx = res
-    ref = jax.jit(lambda *a: wy_chunk._grads(cfg, *a[:12], saved=a[12:]))(
+    # The Mosaic kernel takes every dk product in the split mode: so does the oracle here (its default rounds the
+    # operands of dk's state and dA_k terms to bf16, a 2^-9 relative error per element that both would differ by).
+    split_cfg = wy_chunk.replace_config(cfg, grad_k_dots="split")
+    ref = jax.jit(lambda *a: wy_chunk._grads(split_cfg, *a[:12], saved=a[12:]))(
         q, k, v, beta, t_grads, g, doc, carry, tail, starts, dends, do, u, dx)
     for name, a, r in zip(TOLS, ours, ref):
         assert a.shape == r.shape, (name, a.shape, r.shape)

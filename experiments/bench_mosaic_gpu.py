@@ -57,7 +57,7 @@ VARIANTS = {
     "block_v32_stages3": dict(warpgroups=1, block_v=32, stages=3),
     "block_v16_stages3": dict(warpgroups=1, block_v=16, stages=3),
     "block_v16_stages4": dict(warpgroups=1, block_v=16, stages=4),
-    "triton_forward": dict(saves_states=False),  # differentiated: the Triton forward pass instead
+    "triton_forward": dict(mosaic_forward=False),  # the Triton forward pass instead
     # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).
     "previous": dict(state_dots="split", p_operand="smem", inverse_pair="xla", p_during_u=False, warpgroups=1,
                      query_state_late=False),

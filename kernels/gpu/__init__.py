@@ -11,13 +11,12 @@ backend, log_decay [B, T, Hv, K], bfloat16 (as above; float32 interprets and low
 chunk size 64, at most `MAX_BATCH_HEADS` batch x value-head pairs. For the delta rule the registered function
 (`chunked_delta_rule`) routes on the shape of log_decay and the registered predicate accepts what either accepts.
 
-"mosaic" (`mosaic_wy.py`, Hopper only) is the Gated DeltaNet forward with its sequential pass in Mosaic GPU;
-differentiated, the Mosaic pass also writes the Triton backward's residuals and the Triton backward runs (the
-Mosaic GPU backward is not written yet).
+"mosaic" (`mosaic_wy.py`, `mosaic_wy_grads.py`, Hopper only) is the Gated DeltaNet with its sequential forward pass
+(from 32 value heads per call; the Triton one below) and its chunk-parallel gradient kernel in Mosaic GPU, the
+reverse pass in Triton.
 `supports_mosaic`: the GPU backend on a compute capability 9.x device, the delta rule with no or a scalar decay,
-bfloat16 q/k/v, K = V = 128, Hv == H, chunk size 64. "auto" prefers it over "pallas" (`MOSAIC_PRIORITY`) from
-`MOSAIC_AUTO_MIN_BATCH_HEADS` value heads per call on, where its forward was measured faster (below that, few long
-sequences, the Triton forward is faster; docs/benchmarks.md).
+bfloat16 q/k/v, K = V = 128, Hv == H, chunk size 64. "auto" prefers it over "pallas" (`MOSAIC_PRIORITY`): measured
+as fast or faster forward and forward+backward at every size timed (docs/benchmarks.md).
 
 On a machine without a GPU the same kernels run in Pallas's interpreter through `wy_chunk.chunk_wy(...,
 interpret=True)` and `kda.kda_chunk(..., interpret=True)`; the dispatch never picks them there.
@@ -35,9 +34,6 @@ NAME = "pallas"
 PRIORITY = 10
 MOSAIC_NAME = "mosaic"
 MOSAIC_PRIORITY = 20
-# Forward ms, Mosaic / Triton (2026-11-26, docs/benchmarks.md): 128 heads (8x2048x16) 0.40 / 0.51 on the H100;
-# 64 (4x4096x16) 0.44 / 0.57 and 32 (2x8192x16) 0.60 / 0.67 on an H200; 16 (1x32768x16) 1.93 / 1.45 on the H100.
-MOSAIC_AUTO_MIN_BATCH_HEADS = 32
 DTYPES = ("bfloat16", "float16", "float32")
 HEAD_DIMS = (64, 128, 256)
 CHUNK_SIZES = (64,)
@@ -97,11 +93,6 @@ def supports_mosaic(call: dispatch.RuleCall) -> bool:
     return hopper_compute_capability()
 
 
-def mosaic_preferred(call: dispatch.RuleCall) -> bool:
-    """Where "auto" takes "mosaic" over "pallas": enough heads per call to fill the GPU."""
-    return call.batch * call.value_heads >= MOSAIC_AUTO_MIN_BATCH_HEADS
-
-
 def mosaic_delta_rule(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64,
                       state_passing="sequential"):
     """The dispatch's signature for `mosaic_wy.chunk_wy_mosaic` (the state is always passed sequentially)."""
@@ -119,10 +110,9 @@ def chunked_delta_rule(q, k, v, beta, log_decay, **kwargs):
 
 dispatch.register("delta_rule", NAME, chunked_delta_rule, supports=supports_delta_rule, priority=PRIORITY)
 dispatch.register("linear_attention", NAME, chunk_wy, supports=supports, priority=PRIORITY)
-dispatch.register("delta_rule", MOSAIC_NAME, mosaic_delta_rule, supports=supports_mosaic, priority=MOSAIC_PRIORITY,
-                  auto_when=mosaic_preferred)
+dispatch.register("delta_rule", MOSAIC_NAME, mosaic_delta_rule, supports=supports_mosaic, priority=MOSAIC_PRIORITY)
 
-__all__ = ["CHUNK_SIZES", "DTYPES", "HEAD_DIMS", "KDA_DTYPES", "KDA_HEAD_DIMS", "MOSAIC_AUTO_MIN_BATCH_HEADS",
+__all__ = ["CHUNK_SIZES", "DTYPES", "HEAD_DIMS", "KDA_DTYPES", "KDA_HEAD_DIMS",
            "MOSAIC_NAME", "MOSAIC_PRIORITY", "NAME", "chunk_wy", "chunked_delta_rule", "hopper_compute_capability",
-           "kda", "mosaic_delta_rule", "mosaic_preferred", "mosaic_wy", "supports",
+           "kda", "mosaic_delta_rule", "mosaic_wy", "supports",
            "supports_delta_rule", "supports_kda", "supports_mosaic", "wy_chunk"]

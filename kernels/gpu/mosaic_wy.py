@@ -29,8 +29,10 @@ Per chunk (C = 64, K = 128, BV = 64), with the wgmma shapes M x N x K:
 
 Inputs are bf16 q/k/v with K = V = 128 and Hv == H (no key-head sharing yet); the per-token scalars carry
 exp(G), tail exp(G_C - G), the chunk survival factor and the document masks are computed in XLA as in
-`wy_chunk.chunk_wy`. Differentiated (a `custom_vjp`), the pass also writes what the Triton backward reads (every
-chunk's start state and u) and the Triton backward runs (the Mosaic GPU backward is not written yet).
+`wy_chunk.chunk_wy`. Differentiated (a `custom_vjp`), the pass also writes what the backward reads (every chunk's
+start state, and u as its bf16 pair, by TMA from the operand tiles); the backward is the Triton reverse pass and the
+Mosaic GPU gradient kernel (`mosaic_wy_grads`). With few heads per call the Triton forward pass runs instead
+(`Config.mosaic_forward`).
 """
 
 from __future__ import annotations
@@ -60,11 +62,12 @@ BLOCK_VS = (16, 32, 64)
 # measured as BV 32 at 1x32768 (1.653) and twice as slow at 2x8192 (two waves).
 NARROW_BLOCK_V = 32
 SM_COUNT = 132  # H100 SXM and H200
-# Differentiated, the Mosaic pass writes the Triton backward's residuals from this many value heads per call on
-# (`Config.saves_states`). The forward as differentiation runs it (`bench_mosaic_gpu.py --residuals`, H100,
-# 2026-11-26 08:30), Mosaic / Triton: 128 heads 0.725 / 0.737 ms, 32 heads 0.812 / 0.918; at 16 heads (1x32768)
-# the Mosaic forward alone is slower than the Triton one (1.91 / 1.44 ms), and forward+backward was 5.95 / 5.36.
-SAVES_STATES_MIN_BATCH_HEADS = 32
+# The sequential forward pass is the Mosaic one from this many value heads per call on (`Config.mosaic_forward`);
+# below, the Triton one runs (primal and differentiated) and only the gradient kernel is Mosaic's. The forward as
+# differentiation runs it (`bench_mosaic_gpu.py --residuals`, H100, 2026-11-26 08:30), Mosaic / Triton: 128 heads
+# 0.725 / 0.737 ms, 32 heads 0.812 / 0.918; at 16 heads (1x32768) the Mosaic forward alone is slower than the
+# Triton one (1.91 / 1.44 ms).
+MOSAIC_FORWARD_MIN_BATCH_HEADS = 32
 MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline by default (`Config.stages`)
 # Calls with at least this many value heads (B * Hv) run one CTA per head (`Config.warpgroups=2`). On the H100
 # (2026-11-26): 128 heads (8x2048x16), pass 0.314 -> 0.237 ms; 32 heads (2x8192x16), 0.583 -> 0.831 ms, 16 heads
@@ -112,9 +115,10 @@ class Config:
     block_v: int = BLOCK_V
     # Chunks in flight in the TMA pipeline (SMEM buffers per input); more than 2 fits SMEM only with BV < 64.
     stages: int = MAX_CONCURRENT_STEPS
-    # Differentiated, the Mosaic pass runs and also writes the residuals of the Triton backward (each chunk's start
-    # state, bf16, and u, fp32); False: the Triton forward pass with states runs instead.
-    saves_states: bool = True
+    # The sequential forward pass in Mosaic GPU (differentiated, it also writes the backward's residuals: each
+    # chunk's start state, bf16, and u as its bf16 pair); False: the Triton forward pass runs instead, primal and
+    # differentiated (faster with few heads per call).
+    mosaic_forward: bool = True
     # The chunk-parallel gradients under differentiation: "mosaic" (`mosaic_wy_grads`, one CTA per chunk and head)
     # or "triton" (`wy_chunk`'s "merged" kernel). Both read the start states, u and dx saved by the passes.
     grads: str = "mosaic"
@@ -138,17 +142,17 @@ def default_config(interpret=False, batch_heads=None):
     registers, which the interpreter cannot run, so there P goes through SMEM. With at least
     `SHARED_HEAD_MIN_BATCH_HEADS` value heads in the call (B * Hv), one CTA per head with two consumer warpgroups;
     with few enough that V/32 CTAs per head fit one wave on `SM_COUNT` SMs, state blocks of 32 columns. Below
-    `SAVES_STATES_MIN_BATCH_HEADS` heads, differentiation runs the Triton forward pass (faster there)."""
+    `MOSAIC_FORWARD_MIN_BATCH_HEADS` heads, the Triton forward pass (faster there)."""
     if interpret:
         return Config(p_operand="smem")
     if batch_heads is None:
         return Config()
-    saves_states = batch_heads >= SAVES_STATES_MIN_BATCH_HEADS
+    mosaic_forward = batch_heads >= MOSAIC_FORWARD_MIN_BATCH_HEADS
     if batch_heads >= SHARED_HEAD_MIN_BATCH_HEADS:
-        return Config(warpgroups=2, saves_states=saves_states)
+        return Config(warpgroups=2, mosaic_forward=mosaic_forward)
     if batch_heads * (HEAD_DIM // NARROW_BLOCK_V) <= SM_COUNT:
-        return Config(block_v=NARROW_BLOCK_V, saves_states=saves_states)
-    return Config(saves_states=saves_states)
+        return Config(block_v=NARROW_BLOCK_V, mosaic_forward=mosaic_forward)
+    return Config(mosaic_forward=mosaic_forward)
 
 
 def _swizzle(cfg):
@@ -531,17 +535,20 @@ def _prepare_and_run(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, *, sca
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _wy_mosaic(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
-    """The forward in Mosaic GPU. Differentiated (the arguments are those of `wy_chunk._wy`), the Mosaic pass also
-    writes the start states and u, and the Triton backward runs (`_wy_mosaic_fwd`)."""
-    cfg, _, scale, segmented, interpret = static
+    """The forward, its sequential pass in Mosaic GPU (or Triton's: `Config.mosaic_forward`). Differentiated (the
+    arguments are those of `wy_chunk._wy`), see `_wy_mosaic_fwd` and `_wy_mosaic_bwd`."""
+    cfg, tcfg, scale, segmented, interpret = static
+    if not cfg.mosaic_forward:
+        return wy_chunk._wy(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0)
     return _prepare_and_run(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, scale=scale, segmented=segmented,
                             interpret=interpret)
 
 
 def _saves_triton_residuals(cfg, tcfg):
-    """Whether the Mosaic pass writes the Triton backward's residuals (`Config.saves_states`): where the backward
-    reads bf16 start states and u from the passes (no T in the gradient kernels) and T's bf16 pair exists."""
-    return (cfg.saves_states and wy_chunk._saves_u_dx(tcfg) and tcfg.state_storage == "bf16"
+    """Whether the Mosaic pass runs and writes the backward's residuals (`Config.mosaic_forward`): where the
+    backward reads bf16 start states and u from the passes (no T in the gradient kernels) and T's bf16 pair
+    exists."""
+    return (cfg.mosaic_forward and wy_chunk._saves_u_dx(tcfg) and tcfg.state_storage == "bf16"
             and tcfg.inverse_dots == "split")
 
 
@@ -625,8 +632,8 @@ def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_i
     """Gated DeltaNet forward (o, final_state) with the sequential pass in Mosaic GPU; the signature of
     `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K = V = 128, Hv == H, scalar or no decay, any T, optional
     initial state and segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
-    kernel in the Mosaic GPU interpreter; `config`: a `Config` (default `default_config()`). Differentiated, the
-    backward is the Triton one (`_wy_mosaic_fwd`)."""
+    kernel in the Mosaic GPU interpreter; `config`: a `Config` (default `default_config()`). Differentiated: the
+    Triton reverse pass, then the gradient kernel in Mosaic GPU (`Config.grads`)."""
     _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

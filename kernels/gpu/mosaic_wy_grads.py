@@ -123,13 +123,16 @@ def _grad_body(q_ref, k_ref, v_ref, do_ref, u_hi_ref, u_lo_ref, dx_hi_ref, dx_lo
     plgpu.barrier_wait(barriers[1])
 
     u_parts = [transposed(u_s.at[j, part]) for j in range(2) for part in range(2)]
-    causal, strict = mc.chunk_masks(row_vec["doc"], col_vec["doc"], C, segmented)
+    # The masks are formed where they are used (from iotas and the document vectors): held across the phases they
+    # would take registers the accumulators need.
+    masks = lambda: mc.chunk_masks(row_vec["doc"], col_vec["doc"], C, segmented)
 
     def decayed_score_grads(dp_ref, qk_ref):
         """dP = scale (dO u^T) (.) decay, stored as its pair; returns (decay, the dP (.) Q K^T part of Z)."""
         for n, u_part in enumerate(u_parts):
             plgpu.wgmma(dp_ref, do_s.at[n // 2], u_part)
         plgpu.wgmma(qk_ref, q_s, transposed(k_s))
+        causal, strict = masks()
         decay = mc.pair_decay(row_vec["g_hi"], row_vec["g_lo"], col_vec["g_hi"], col_vec["g_lo"], causal, C)
         dp = mc.wgmma_layout(scale * dp_ref[...] * decay)  # dL/d(Q K^T) of (5), decayed
         mc.store_split(dp, p_hi, p_lo)
@@ -144,6 +147,7 @@ def _grad_body(q_ref, k_ref, v_ref, do_ref, u_hi_ref, u_lo_ref, dx_hi_ref, dx_lo
             for x_part, u_part in ((0, 0), (0, 1), (1, 0)):  # hi*hi + hi*lo + lo*hi
                 plgpu.wgmma(nda_ref, x_s.at[j, x_part], u_parts[2 * j + u_part])
         plgpu.wgmma(kk_ref, k_s, transposed(k_s))
+        _, strict = masks()
         decay_strict = jnp.where(strict, decay, 0.0)
         kk = kk_ref[...]
         da = jnp.where(strict, -nda_ref[...], 0.0)

@@ -202,7 +202,7 @@ def test_gradients_match_scan_in_interpreter(packed, config):
     T not a multiple of the chunk, beta up to 2, initial state."""
     x = _bf16_inputs(fresh_key(), B=1, T=100, H=2, beta_max=2.0, packed=packed, with_initial_state=True)
     reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
-    cfg = (dataclasses.replace(_INTERPRETED, saves_states=False) if config == "triton_forward"
+    cfg = (dataclasses.replace(_INTERPRETED, mosaic_forward=False) if config == "triton_forward"
            else INTERPRETED_CONFIGS[config])
     grads = _grads(functools.partial(chunk_wy_mosaic, config=cfg), x)
     grads_ref = _grads(recurrent_scan, reference)
@@ -228,7 +228,7 @@ def test_saved_states_match_the_triton_pass_in_interpreter():
             return primal, residuals
         return wrapped
 
-    for name, cfg in (("mosaic", _INTERPRETED), ("triton", dataclasses.replace(_INTERPRETED, saves_states=False))):
+    for name, cfg in (("mosaic", _INTERPRETED), ("triton", dataclasses.replace(_INTERPRETED, mosaic_forward=False))):
         fwd = capture(name, mosaic_wy._wy_mosaic_fwd)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(mosaic_wy._wy_mosaic, "fwd", fwd)
@@ -282,11 +282,11 @@ def test_default_config_shares_heads_from_the_threshold():
     assert mosaic_wy.default_config(batch_heads=mosaic_wy.SM_COUNT // 4).block_v == 32
     assert mosaic_wy.default_config(batch_heads=mosaic_wy.SM_COUNT // 4 + 1).block_v == 64
     assert mosaic_wy.default_config().block_v == 64
-    # Differentiated, the Mosaic pass saves the backward's residuals from SAVES_STATES_MIN_BATCH_HEADS heads on.
-    saving = mosaic_wy.SAVES_STATES_MIN_BATCH_HEADS
-    assert mosaic_wy.default_config(batch_heads=saving).saves_states
-    assert not mosaic_wy.default_config(batch_heads=saving - 1).saves_states
-    assert mosaic_wy.default_config(batch_heads=threshold).saves_states
+    # The Mosaic forward pass from MOSAIC_FORWARD_MIN_BATCH_HEADS heads on, the Triton one below.
+    enough = mosaic_wy.MOSAIC_FORWARD_MIN_BATCH_HEADS
+    assert mosaic_wy.default_config(batch_heads=enough).mosaic_forward
+    assert not mosaic_wy.default_config(batch_heads=enough - 1).mosaic_forward
+    assert mosaic_wy.default_config(batch_heads=threshold).mosaic_forward
     assert mosaic_wy.default_config(interpret=True, batch_heads=threshold).p_operand == "smem"
 
 
@@ -312,9 +312,9 @@ MOSAIC_CALL = dispatch.RuleCall(op="delta_rule", batch=2, seq_len=100, key_heads
                                 has_segment_ids=True, chunk_size=64, platform="gpu")
 
 
-def test_dispatch_prefers_mosaic_from_enough_heads(monkeypatch):
-    """"mosaic" takes what chunk_wy_mosaic takes, on Hopper only; "auto" picks it over "pallas" from
-    MOSAIC_AUTO_MIN_BATCH_HEADS value heads per call on, and "pallas" below (few long sequences)."""
+def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
+    """"mosaic" takes what chunk_wy_mosaic takes, on Hopper only; "auto" picks it over "pallas" there, with many
+    heads per call or few (then its forward pass is Triton's, `Config.mosaic_forward`)."""
     monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: True)
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL)
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(decay="none", has_initial_state=False))
@@ -324,12 +324,9 @@ def test_dispatch_prefers_mosaic_from_enough_heads(monkeypatch):
         assert not pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(**change)), change
     implementation = dispatch.implementations("delta_rule")["mosaic"]
     assert not implementation.forward_only and implementation.fn is pallas_gpu.mosaic_delta_rule
-    enough = pallas_gpu.MOSAIC_AUTO_MIN_BATCH_HEADS
-    many, few = MOSAIC_CALL._replace(batch=enough // 4), MOSAIC_CALL._replace(batch=1)
-    assert many.batch * many.value_heads == enough and few.batch * few.value_heads < enough
+    many, few = MOSAIC_CALL._replace(batch=32), MOSAIC_CALL._replace(batch=1)
     assert dispatch.select("delta_rule", "auto", many).name == "mosaic"
-    assert dispatch.select("delta_rule", "auto", few).name == "pallas"
-    assert dispatch.select("delta_rule", "mosaic", few).name == "mosaic"  # named, it needs only `supports`
+    assert dispatch.select("delta_rule", "auto", few).name == "mosaic"
     assert dispatch.select("delta_rule", "auto", many._replace(decay="channel")).name == "pallas"  # KDA
     monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: False)
     assert not pallas_gpu.supports_mosaic(MOSAIC_CALL)
@@ -376,10 +373,10 @@ def test_lowers_for_cuda(segmented, init, config):
                                     "triton_grads"])
 def test_gradient_lowers_for_cuda(config):
     """jax.grad of the call lowered for an abstract H100: the Mosaic pass (with its saved outputs) runs once, in the
-    forward, unless `saves_states` is off (then the Triton forward pass runs instead), and the Mosaic gradient
+    forward, unless `mosaic_forward` is off (then the Triton forward pass runs instead), and the Mosaic gradient
     kernel once after the Triton reverse pass, unless `grads="triton"`."""
     B, T, H = 1, 130, 2
-    cfg = {"triton_forward": dataclasses.replace(_COMPILED, saves_states=False),
+    cfg = {"triton_forward": dataclasses.replace(_COMPILED, mosaic_forward=False),
            "triton_grads": dataclasses.replace(_COMPILED, grads="triton")}.get(config) or GPU_CONFIGS.get(config)
     q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
     gate = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
@@ -438,7 +435,7 @@ def test_gpu_gradients_match_scan(packed, config):
     x = _bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=packed, with_initial_state=True)
     reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
     cfg = {"block_v32": GPU_CONFIGS["block_v32"], "shared_head": GPU_CONFIGS["shared_head"], "block_v64": _COMPILED,
-           "triton_forward": dataclasses.replace(_COMPILED, saves_states=False)}[config]
+           "triton_forward": dataclasses.replace(_COMPILED, mosaic_forward=False)}[config]
     grads = _grads(functools.partial(chunk_wy_mosaic, config=cfg), x)
     grads_ref = _grads(recurrent_scan, reference)
     for name, tol in GRAD_TOLS.items():

@@ -19,20 +19,25 @@ writes dL/dG's per-token terms, the end terms and the survival row sums; `grads`
 XLA (the in-chunk reverse cumsum of `wy_chunk._dlog`, exact fp32 sums).
 
 One CTA of one warpgroup per (chunk, value head), grid (chunks, B*Hv). Every input tile arrives by TMA at the start
-(q, k: C x K; dO, S_0, dS_end in two V halves of 64 columns, the 128-byte swizzle); u, dx and v (fp32 / bf16) are
-loaded into registers directly. The V contractions run over the two halves; the products, M x N x K:
+(q, k: C x K; dO, S_0, dS_end, and u and dx as their bf16 hi/lo pairs, in two V halves of 64 columns, the 128-byte
+swizzle), in two groups on two barriers (dO and q, first read later, second); v is loaded into registers while
+K S_0 runs. The Mosaic pass and the reverse pass write u and dx as bf16 pairs for this kernel (fp32 arrays are
+split in XLA, `as_pair`). The phases, each a few wgmmas and one wait, so that few accumulators are live at a time:
+(1) per V half, K S_0 and K dS_end, dv and the per-token sums; (2) dP (with Q K^T), stored as its pair; (3) dA_k
+(with K K^T), stored as its pair, and Z; (4) dk; (5) colsum(Z), Z^T against a tile of ones in the freed dx and u
+tiles; (6) dq. The products, M x N x K:
 
     KS, KD                     2 x 2 x (64 x 64 x 128)         bf16 x bf16
     dO u^T, dx u^T             2 x (2 + 3) x (64 x 64 x 64)    u, dx as hi/lo pairs (split)
     Q K^T, K K^T               2 x (64 x 64 x 128)
+    dP^T Q, dA_k K, dA_k^T K   2 x 3 x (64 x 128 x 64)         dP, dA_k as hi/lo pairs
+    dx S_0^T, u dS_end^T       2 x 2 x 2 x (64 x 128 x 64)     dx, u as pairs; the row factors -beta f and e after
     colsum(Z)                  2 x (64 x 64 x 64)              Z^T (hi/lo) times a tile of ones
-    dO S_0^T                   2 x (64 x 128 x 64)
-    dP K, dP^T Q               2 x 2 x (64 x 128 x 64)         dP as hi/lo
-    dA_k K, dA_k^T K           2 x (64 x 128 x 64)             dA_k rounded to bf16
-    dks S_0^T, (e u) dS_end^T  2 x 2 x (64 x 128 x 64)         operands rounded to bf16
+    dO S_0^T, dP K             2 x (64 x 128 x 64), 2 x (64 x 128 x 64)
 
-which are the precisions of the Triton "merged" kernel (`grad_dots` "split", `grad_k_dots` and `state_dots`
-"bf16"). Supported: bf16 q/k/v, K = V = 128, Hv == H, C = 64.
+Every fp32 operand thus enters in the "split" mode (~2^-16 relative per product): the Triton "merged" kernel's
+`grad_dots`, and finer than its default `grad_k_dots` "bf16" (which rounds the operands of dk's state and dA_k
+terms to bf16). Supported: bf16 q/k/v, K = V = 128, Hv == H, C = 64. SMEM: 218 KiB, one CTA per SM.
 """
 
 from __future__ import annotations

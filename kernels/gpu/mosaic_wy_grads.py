@@ -63,9 +63,8 @@ COL_VECTORS = ("g_hi", "g_lo", "doc")
 
 
 def _grad_body(q_ref, k_ref, v_ref, do_ref, u_hi_ref, u_lo_ref, dx_hi_ref, dx_lo_ref, starts_ref, dends_ref, vec_ref,
-               dq_ref, dk_ref, dv_ref,
-               dbeta_ref, dgate_ref, end_ref, survive_ref, q_s, k_s, do_s, s0_s, dend_s, u_s, x_s, *scratch, scale,
-               num_heads, segmented):
+               dq_ref, dk_ref, dv_ref, dbeta_ref, dgate_ref, end_ref, survive_ref, q_s, k_s, do_s, s0_s, dend_s, u_s,
+               x_s, *scratch, scale, num_heads, segmented):
     """One chunk i of value head bh = b * H + h. u and dx come as bf16 (hi, lo) halves (B, Tp, H, V) each;
     vec_ref: `token_vectors` (6, B*H, Tp). Outputs: dq, dk, dv (B, Tp, H, 128) bf16; dbeta, dL/dG's per-token terms,
     the end terms (B*H, Tp) fp32; survival row sums (B*H, nt*K). SMEM: the inputs by V half (u_s, x_s: [half, hi/lo]),
@@ -128,8 +127,7 @@ def _grad_body(q_ref, k_ref, v_ref, do_ref, u_hi_ref, u_lo_ref, dx_hi_ref, dx_lo
     plgpu.barrier_wait(barriers[1])
 
     u_parts = [transposed(u_s.at[j, part]) for j in range(2) for part in range(2)]
-    # The masks are formed where they are used (from iotas and the document vectors): held across the phases they
-    # would take registers the accumulators need.
+    # The masks are formed where they are used (from iotas and the document vectors), not held across the phases.
     masks = lambda: mc.chunk_masks(row_vec["doc"], col_vec["doc"], C, segmented)
 
     def decayed_score_grads(dp_ref, qk_ref):

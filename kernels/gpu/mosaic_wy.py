@@ -514,13 +514,9 @@ def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segment
         # Split in XLA: the plain x - f32(bf16(x)) is folded to 0 on the GPU (`common.split_bf16_in_xla`).
         t_pair = jnp.stack(split_bf16_in_xla(wy_chunk._inverse(tcfg, k, beta, g, doc)))
 
+    vectors = mosaic_wy_grads.token_vectors(g, beta, carry, tail)  # (5, B*H, Tp)
     hi, lo = (x.reshape(B, nt, C, H) for x in g)
-    carry_c, tail_c = carry.reshape(B, nt, C, 1), tail.reshape(B, nt, C, 1)
-    from_start = carry_c * jnp.exp(hi + lo)
-    to_end = tail_c * jnp.exp((hi[:, :, -1:] - hi) + (lo[:, :, -1:] - lo))
-    survive = carry_c[:, :, -1] * jnp.exp(hi[:, :, -1] + lo[:, :, -1])  # (B, nt, H)
-    heads_major = lambda x: jnp.moveaxis(x.reshape(B, Tp, H), 2, 1).reshape(B * H, Tp)
-    vectors = jnp.stack([heads_major(x) for x in (hi, lo, beta, from_start, to_end)])  # (5, B*H, Tp)
+    survive = carry.reshape(B, nt, C, 1)[:, :, -1] * jnp.exp(hi[:, :, -1] + lo[:, :, -1])  # (B, nt, H)
     survive = jnp.broadcast_to(jnp.moveaxis(survive, 2, 1)[..., None], (B, H, nt, K)).reshape(B * H, nt * K)
     return t_pair, vectors, doc.astype(F32), survive
 

@@ -205,18 +205,21 @@ def _grad_body(q_ref, k_ref, v_ref, do_ref, u_hi_ref, u_lo_ref, dx_hi_ref, dx_lo
                                               for j in range(2))
 
 
-def token_vectors(g, beta, carry, tail, doc):
-    """The kernel's per-token vectors (6, B*H, Tp) fp32, `ROW_VECTORS`' order: G hi, G lo, beta, carry exp(G),
-    tail exp(G_C - G), the document index. g: [hi, lo] x (B, Tp, H); carry, tail: (B, Tp, 1); doc: (B, Tp)."""
+def token_vectors(g, beta, carry, tail, doc=None):
+    """The per-token vectors of the Mosaic kernels, (5 or 6, B*H, Tp) fp32 in `ROW_VECTORS`' order: G hi, G lo, beta,
+    carry exp(G), tail exp(G_C - G), and the document index when `doc` is given. g: [hi, lo] x (B, Tp, H); carry,
+    tail: (B, Tp) or (B, Tp, 1); doc: (B, Tp)."""
     B, Tp, H = beta.shape
     nt, C = Tp // CHUNK, CHUNK
     hi, lo = (x.reshape(B, nt, C, H) for x in g)
     carry_c, tail_c = carry.reshape(B, nt, C, 1), tail.reshape(B, nt, C, 1)
     from_start = carry_c * jnp.exp(hi + lo)
     to_end = tail_c * jnp.exp((hi[:, :, -1:] - hi) + (lo[:, :, -1:] - lo))
-    doc = jnp.broadcast_to(doc.astype(F32)[:, :, None], (B, Tp, H))
+    rows = [hi, lo, beta, from_start, to_end]
+    if doc is not None:
+        rows.append(jnp.broadcast_to(doc.astype(F32)[:, :, None], (B, Tp, H)))
     heads_major = lambda x: jnp.moveaxis(x.reshape(B, Tp, H), 2, 1).reshape(B * H, Tp)
-    return jnp.stack([heads_major(x.astype(F32)) for x in (hi, lo, beta, from_start, to_end, doc)])
+    return jnp.stack([heads_major(x.astype(F32)) for x in rows])
 
 
 def _scratch_types():

@@ -161,24 +161,6 @@ def _swizzle(cfg):
     return min(SWIZZLE, cfg.block_v * jnp.dtype(BF16).itemsize)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _split_product(a_hi, a_lo, b_hi, b_lo, m, n, separate, while_running=None):
     """a @ b with b an fp32 operand given as bf16 hi/lo SMEM tiles (b_lo None: b is bf16), and a one too or (a_lo
     None) a bf16 one: hi*hi + hi*lo (+ lo*hi), the lo terms accumulated as `LO_ACCUMULATORS` says.

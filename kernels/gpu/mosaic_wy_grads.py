@@ -18,14 +18,23 @@ and the per-token end terms e (.) rowsum(u (.) KD) and the chunk's survival term
 writes dL/dG's per-token terms, the end terms and the survival row sums; `grads` turns them into d(log_decay) in
 XLA (the in-chunk reverse cumsum of `wy_chunk._dlog`, exact fp32 sums).
 
-One CTA of one warpgroup per (chunk, value head), grid (chunks, B*Hv). Every input tile arrives by TMA at the start
-(q, k: C x K; dO, S_0, dS_end, and u and dx as their bf16 hi/lo pairs, in two V halves of 64 columns, the 128-byte
-swizzle), in two groups on two barriers (dO and q, first read later, second); v is loaded into registers while
-K S_0 runs. The Mosaic pass and the reverse pass write u and dx as bf16 pairs for this kernel (fp32 arrays are
-split in XLA, `as_pair`). The phases, each a few wgmmas and one wait, so that few accumulators are live at a time:
-(1) per V half, K S_0 and K dS_end, dv and the per-token sums; (2) dP (with Q K^T), stored as its pair; (3) dA_k
-(with K K^T), stored as its pair, and Z; (4) dk; (5) colsum(Z), Z^T against a tile of ones in the freed dx and u
-tiles; (6) dq. The products, M x N x K:
+One CTA of two warpgroups per (chunk, value head), grid (chunks, B*Hv). Every input tile arrives by TMA at the
+start (q, k: C x K; dO, S_0, dS_end, and u and dx as their bf16 hi/lo pairs, in two V halves of 64 columns, the
+128-byte swizzle), in two groups on two barriers (dO and q, first read later, second). The Mosaic pass and the
+reverse pass write u and dx as bf16 pairs for this kernel (fp32 arrays are split in XLA, `as_pair`). The two
+warpgroups work side by side (`_warpgroup`), each in phases of a few wgmmas and one wait, so that few
+accumulators are live at a time:
+
+    warpgroup 0                                     warpgroup 1
+    V half 0: K S_0, K dS_end (v from GMEM         V half 1: the same
+      meanwhile), dv, the per-token sums
+    dP (with Q K^T), its pair to SMEM -> handoff    dA_k (with K K^T), its pair to SMEM
+    dq = scale f (.) dO S_0^T + dP K                dk: its state terms, dA_k's terms, then (handoff) dP's
+    (handoff) colsum(Z0), Z0 = its part of Z        -> handoff; colsum(Z1)
+
+colsum is Z^T (hi/lo, in the freed pair's tiles) against a tile of ones. dk is warpgroup 1's whole (it has the
+larger share: 42 of 62 wgmma units of 64 x 64 x 64); K halves of dk and dq on both instead (operands
+sliced by columns) measured 1.05 ms against 0.69 ms (8x2048x16x128, H100, docs/mosaic.md). The products, M x N x K:
 
     KS, KD                     2 x 2 x (64 x 64 x 128)         bf16 x bf16
     dO u^T, dx u^T             2 x (2 + 3) x (64 x 64 x 64)    u, dx as hi/lo pairs (split)
@@ -37,12 +46,14 @@ tiles; (6) dq. The products, M x N x K:
 
 Every fp32 operand thus enters in the "split" mode (~2^-16 relative per product): the Triton "merged" kernel's
 `grad_dots`, and finer than its default `grad_k_dots` "bf16" (which rounds the operands of dk's state and dA_k
-terms to bf16). Supported: bf16 q/k/v, K = V = 128, Hv == H, C = 64. SMEM: 218 KiB, one CTA per SM.
+terms to bf16). Supported: bf16 q/k/v, K = V = 128, Hv == H, C = 64. SMEM: 225 KiB, one CTA per SM.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -64,145 +75,192 @@ COL_VECTORS = ("g_hi", "g_lo", "doc")
 
 def _grad_body(q_ref, k_ref, v_ref, do_ref, u_hi_ref, u_lo_ref, dx_hi_ref, dx_lo_ref, starts_ref, dends_ref, vec_ref,
                dq_ref, dk_ref, dv_ref, dbeta_ref, dgate_ref, end_ref, survive_ref, q_s, k_s, do_s, s0_s, dend_s, u_s,
-               x_s, *scratch, scale, num_heads, segmented):
-    """One chunk i of value head bh = b * H + h. u and dx come as bf16 (hi, lo) halves (B, Tp, H, V) each;
-    vec_ref: `token_vectors` (6, B*H, Tp). Outputs: dq, dk, dv (B, Tp, H, 128) bf16; dbeta, dL/dG's per-token terms,
-    the end terms (B*H, Tp) fp32; survival row sums (B*H, nt*K). SMEM: the inputs by V half (u_s, x_s: [half, hi/lo]),
-    the dP and dA_k pairs, the vectors; once dk is formed, the dx tiles of the first half hold Z and one u tile a
-    tile of ones."""
-    C, K = CHUNK, HEAD_DIM
+               x_s, p_s, a_s, ones_s, *scratch, scale, num_heads, segmented, threads):
+    """One chunk i of value head bh = b * H + h, two warpgroups w = 0, 1 (`_warpgroup`). u and dx come as bf16
+    (hi, lo) halves (B, Tp, H, V) each; vec_ref: `token_vectors` (6, B*H, Tp). Outputs: dq, dk, dv (B, Tp, H, 128)
+    bf16; each warpgroup's share of dbeta, of dL/dG's per-token terms and of the end terms (2, B*H, Tp) fp32, and of
+    the survival row sums (2, B*H, nt*K). SMEM: the inputs by V half (u_s, x_s: [half, hi/lo]), the dP and dA_k
+    pairs (p_s, a_s: [hi/lo]), a tile of ones, the vectors."""
     n_vec = len(ROW_VECTORS) + len(COL_VECTORS)
-    (p_hi, p_lo, a_hi, a_lo), vec_s, barriers = scratch[:4], scratch[4:4 + n_vec], scratch[4 + n_vec:]
+    vec_s, (first_loads, second_loads, handoff) = scratch[:n_vec], scratch[n_vec:]
     row_vec = dict(zip(ROW_VECTORS, vec_s[:len(ROW_VECTORS)]))
     col_vec = dict(zip(COL_VECTORS, vec_s[len(ROW_VECTORS):]))
     i = lax.axis_index("chunk")
     bh = lax.axis_index("head")
+    wg = lax.axis_index("wg") if threads == 2 else 0
     b, h = bh // num_heads, bh % num_heads
-    tokens = pl.ds(i * C, C)
-    state_rows = pl.ds(i * K, K)
+    tokens = pl.ds(i * CHUNK, CHUNK)
+    state_rows = pl.ds(i * HEAD_DIM, HEAD_DIM)
     halves = [pl.ds(j * HALF, HALF) for j in range(2)]
 
-    # Two groups of copies: what the V contractions start with, then dO and q (read from the first dO u^T on).
-    first = [(k_ref.at[b, tokens, h, :], k_s)]
-    first += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in row_vec.items()]
-    first += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in col_vec.items()]
-    for j, cols in enumerate(halves):
-        first += [(starts_ref.at[b, h, state_rows, cols], s0_s.at[j]),
-                  (dends_ref.at[b, h, state_rows, cols], dend_s.at[j])]
-        first += [(ref.at[b, tokens, h, cols], tiles.at[j, part])
-                  for refs, tiles in (((u_hi_ref, u_lo_ref), u_s), ((dx_hi_ref, dx_lo_ref), x_s))
-                  for part, ref in enumerate(refs)]
-    second = [(do_ref.at[b, tokens, h, cols], do_s.at[j]) for j, cols in enumerate(halves)]
-    second.append((q_ref.at[b, tokens, h, :], q_s))
-    for group, group_barrier in ((first, barriers[0]), (second, barriers[1])):
-        for src, dst in group:
-            plgpu.copy_gmem_to_smem(src, dst, group_barrier)
-    plgpu.barrier_wait(barriers[0])
+    @pl.when(wg == 0)
+    def _issue_loads():
+        # Two groups of copies: what both warpgroups start with, then dO and q (first read by the dP product).
+        first = [(k_ref.at[b, tokens, h, :], k_s)]
+        first += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in row_vec.items()]
+        first += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in col_vec.items()]
+        for j, cols in enumerate(halves):
+            first += [(starts_ref.at[b, h, state_rows, cols], s0_s.at[j]),
+                      (dends_ref.at[b, h, state_rows, cols], dend_s.at[j])]
+            first += [(ref.at[b, tokens, h, cols], tiles.at[j, part])
+                      for refs, tiles in (((u_hi_ref, u_lo_ref), u_s), ((dx_hi_ref, dx_lo_ref), x_s))
+                      for part, ref in enumerate(refs)]
+        second = [(do_ref.at[b, tokens, h, cols], do_s.at[j]) for j, cols in enumerate(halves)]
+        second.append((q_ref.at[b, tokens, h, :], q_s))
+        for group, barrier in ((first, first_loads), (second, second_loads)):
+            for src, dst in group:
+                plgpu.copy_gmem_to_smem(src, dst, barrier)
+        # Read by both warpgroups' colsum(Z) products, after the handoffs that follow this warpgroup's commit.
+        ones_s[...] = mc.wgmma_layout(jnp.ones((CHUNK, CHUNK), BF16))
 
+    refs = types.SimpleNamespace(
+        q_s=q_s, k_s=k_s, do_s=do_s, s0_s=s0_s, dend_s=dend_s, u_s=u_s, x_s=x_s, p_s=p_s, a_s=a_s, ones_s=ones_s,
+        row_vec=row_vec, col_vec=col_vec, first_loads=first_loads, second_loads=second_loads, handoff=handoff)
+    roles = [functools.partial(
+        _warpgroup, w, refs, v_ref.at[b, tokens, h, halves[w]], scale=scale, segmented=segmented,
+        concurrent=threads == 2,
+        out=dict(dq=dq_ref.at[b, tokens, h, :], dk=dk_ref.at[b, tokens, h, :],
+                 dv=dv_ref.at[b, tokens, h, halves[w]], dbeta=dbeta_ref.at[w, bh, tokens],
+                 dgate=dgate_ref.at[w, bh, tokens], end=end_ref.at[w, bh, tokens],
+                 survive=survive_ref.at[w, bh, state_rows])) for w in range(2)]
+    if threads == 2:
+        for w, role in enumerate(roles):
+            pl.when(wg == w)(lambda role=role: _run(role()))
+    else:  # one warpgroup runs both roles, step by step between the handoffs (see `grads`)
+        _run(itertools.zip_longest(*(role() for role in roles)))
+
+
+def _run(steps):
+    """Traces every step of a `_warpgroup` generator (or of several, zipped)."""
+    for _ in steps:
+        pass
+
+
+def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
+    """Warpgroup w's share of one chunk: V half w of the contractions with S_0 and dS_end (dv, the per-token
+    sums); the score cotangent dP (w = 0) or dA_k (w = 1), stored as its pair for both; then dq (w = 0) or dk
+    (w = 1), and colsum(Z) of its part of Z. `handoff`: [0] dP's pair is in SMEM, [1] warpgroup 1 has read it
+    (warpgroup 0 never reads dA_k's pair). A generator that yields at the handoffs, so that one warpgroup can also
+    run both roles in turn (`concurrent=False`: no barriers between the roles, each load barrier waited on once)."""
+    C, K = CHUNK, HEAD_DIM
+    row_vec, col_vec, handoff = r.row_vec, r.col_vec, r.handoff
+    if concurrent or w == 0:
+        plgpu.barrier_wait(r.first_loads)
     beta = mc.row_vector(row_vec["beta"])
     from_start = mc.row_vector(row_vec["from_start"])
     to_end = mc.row_vector(row_vec["to_end"])
     beta_start = beta * from_start
     rows = lambda x, m=HALF: mc.broadcast_rows(x, m)
-    zero = lambda n: plgpu.layout_cast(jnp.zeros((n,), F32), plgpu.Layout.WGMMA.reduce(1))
     load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False).astype(F32)
     pair = lambda tiles: mc.wgmma_layout(load(tiles.at[0]) + load(tiles.at[1]))  # hi + lo in fp32
     transposed = lambda ref: ref.transpose((1, 0))
 
-    # The V contractions with S_0 and dS_end, half by half: dv and the per-token sums.
-    dbeta, dgate, end = zero(C), zero(C), zero(C)
-    for j, cols in enumerate(halves):
-        def state_products(ks_ref, kd_ref):
-            plgpu.wgmma(ks_ref, k_s, s0_s.at[j])
-            plgpu.wgmma(kd_ref, k_s, dend_s.at[j])
-            v = load(v_ref.at[b, tokens, h, cols])  # from GMEM while the products run
-            return ks_ref[...], kd_ref[...], v
+    def accumulate(products, n=K, before_last=None, last=()):
+        """One C x n accumulator over `products` ((A, B) operand pairs), then `before_last()` (a wait) and the
+        `last` products, read once all are issued."""
+        def body(acc_ref):
+            for a_operand, b_operand in products:
+                plgpu.wgmma(acc_ref, a_operand, b_operand)
+            if before_last is not None:
+                before_last()
+                for a_operand, b_operand in last:
+                    plgpu.wgmma(acc_ref, a_operand, b_operand)
+            return acc_ref[...]
+        return pl.run_scoped(body, mc.acc(C, n))
 
-        ks, kd, v = pl.run_scoped(state_products, mc.acc(C, HALF), mc.acc(C, HALF))
-        end = end + to_end * jnp.sum(pair(u_s.at[j]) * kd, axis=1)
-        dx = pair(x_s.at[j])
-        dv_ref.at[b, tokens, h, cols][...] = mc.wgmma_layout((rows(beta) * dx).astype(dv_ref.dtype))
-        dbeta = dbeta + jnp.sum(dx * (v - rows(from_start) * ks), axis=1)  # dx (.) y
-        dgate = dgate - jnp.sum(rows(beta_start) * dx * ks, axis=1)  # through carry exp(G) in (3)
-    plgpu.barrier_wait(barriers[1])
+    # V half w of the contractions with S_0 and dS_end: dv and the per-token sums.
+    def state_products(ks_ref, kd_ref):
+        plgpu.wgmma(ks_ref, r.k_s, r.s0_s.at[w])
+        plgpu.wgmma(kd_ref, r.k_s, r.dend_s.at[w])
+        v = load(v_tile)  # from GMEM while the products run
+        return ks_ref[...], kd_ref[...], v
 
-    u_parts = [transposed(u_s.at[j, part]) for j in range(2) for part in range(2)]
-    # The masks are formed where they are used (from iotas and the document vectors), not held across the phases.
+    ks, kd, v = pl.run_scoped(state_products, mc.acc(C, HALF), mc.acc(C, HALF))
+    end = to_end * jnp.sum(pair(r.u_s.at[w]) * kd, axis=1)
+    dx = pair(r.x_s.at[w])
+    out["dv"][...] = mc.wgmma_layout((rows(beta) * dx).astype(out["dv"].dtype))
+    dbeta = jnp.sum(dx * (v - rows(from_start) * ks), axis=1)  # dx (.) y
+    dgate = -jnp.sum(rows(beta_start) * dx * ks, axis=1)  # through carry exp(G) in (3)
+
+    u_parts = [transposed(r.u_s.at[j, part]) for j in range(2) for part in range(2)]
     masks = lambda: mc.chunk_masks(row_vec["doc"], col_vec["doc"], C, segmented)
+    decay = lambda mask: mc.pair_decay(row_vec["g_hi"], row_vec["g_lo"], col_vec["g_hi"], col_vec["g_lo"], mask, C)
 
     def decayed_score_grads(dp_ref, qk_ref):
-        """dP = scale (dO u^T) (.) decay, stored as its pair; returns (decay, the dP (.) Q K^T part of Z)."""
+        """dP = scale (dO u^T) (.) decay, stored as its pair; returns the dP (.) Q K^T part of Z."""
+        plgpu.barrier_wait(r.second_loads)
         for n, u_part in enumerate(u_parts):
-            plgpu.wgmma(dp_ref, do_s.at[n // 2], u_part)
-        plgpu.wgmma(qk_ref, q_s, transposed(k_s))
+            plgpu.wgmma(dp_ref, r.do_s.at[n // 2], u_part)
+        plgpu.wgmma(qk_ref, r.q_s, transposed(r.k_s))
         causal, strict = masks()
-        decay = mc.pair_decay(row_vec["g_hi"], row_vec["g_lo"], col_vec["g_hi"], col_vec["g_lo"], causal, C)
-        dp = mc.wgmma_layout(scale * dp_ref[...] * decay)  # dL/d(Q K^T) of (5), decayed
-        mc.store_split(dp, p_hi, p_lo)
-        return decay, mc.wgmma_layout(jnp.where(strict, dp * qk_ref[...], 0.0))
-
-    decay, z = pl.run_scoped(decayed_score_grads, mc.acc(C, C), mc.acc(C, C))
+        dp = mc.wgmma_layout(scale * dp_ref[...] * decay(causal))  # dL/d(Q K^T) of (5), decayed
+        mc.store_split(dp, r.p_s.at[0], r.p_s.at[1])
+        return mc.wgmma_layout(jnp.where(strict, dp * qk_ref[...], 0.0))
 
     def key_pair_grads(nda_ref, kk_ref):
         """dA_k = beta_t dA (.) decay (t > s), dA = -dx u^T, stored as its pair; returns (its dbeta terms, the
         dA_k (.) K K^T part of Z)."""
         for j in range(2):
             for x_part, u_part in ((0, 0), (0, 1), (1, 0)):  # hi*hi + hi*lo + lo*hi
-                plgpu.wgmma(nda_ref, x_s.at[j, x_part], u_parts[2 * j + u_part])
-        plgpu.wgmma(kk_ref, k_s, transposed(k_s))
+                plgpu.wgmma(nda_ref, r.x_s.at[j, x_part], u_parts[2 * j + u_part])
+        plgpu.wgmma(kk_ref, r.k_s, transposed(r.k_s))
         _, strict = masks()
-        decay_strict = jnp.where(strict, decay, 0.0)
+        decay_strict = decay(strict)
         kk = kk_ref[...]
         da = jnp.where(strict, -nda_ref[...], 0.0)
         da_k = mc.wgmma_layout(da * decay_strict * rows(beta, C))  # dL/d(k_t . k_s)
-        mc.store_split(da_k, a_hi, a_lo)
+        mc.store_split(da_k, r.a_s.at[0], r.a_s.at[1])
         return jnp.sum(da * kk * decay_strict, axis=1), mc.wgmma_layout(da_k * kk)
 
-    dbeta_pairs, z_keys = pl.run_scoped(key_pair_grads, mc.acc(C, C), mc.acc(C, C))
-    dbeta = dbeta + dbeta_pairs
-    z = mc.wgmma_layout(z + z_keys)
+    if w == 0:
+        z = pl.run_scoped(decayed_score_grads, mc.acc(C, C), mc.acc(C, C))
+    else:
+        dbeta_pairs, z = pl.run_scoped(key_pair_grads, mc.acc(C, C), mc.acc(C, C))
+        dbeta = dbeta + dbeta_pairs
     dgate = dgate + jnp.sum(z, axis=1)
+    plgpu.commit_smem()  # the pair's stores, before the wgmmas read them
+    if concurrent and w == 0:
+        plgpu.barrier_arrive(handoff.at[0])
+    yield
+
+    if w == 0:  # dq = scale f (.) dO S_0^T + dP K
+        dq_state = mc.wgmma_layout(scale * rows(from_start, K)
+                                   * accumulate([(r.do_s.at[j], transposed(r.s0_s.at[j])) for j in range(2)]))
+        local = jnp.sum(dq_state * load(r.q_s), axis=1)
+        dq = mc.wgmma_layout(dq_state + accumulate([(r.p_s.at[part], r.k_s) for part in range(2)]))
+        out["dq"][...] = mc.wgmma_layout(dq.astype(out["dq"].dtype))
+    else:  # dk, the state terms with their row factors after the products, then dP's terms once it is there
+        pairs = lambda tiles, state: [(tiles.at[j, part], transposed(state.at[j])) for j in range(2)
+                                      for part in range(2)]
+        dk = mc.wgmma_layout(rows(to_end, K) * accumulate(pairs(r.u_s, r.dend_s))  # (e (.) u) dS_end^T
+                             - rows(beta_start, K) * accumulate(pairs(r.x_s, r.s0_s)))  # dks S_0^T
+
+        def wait_for_scores():
+            if concurrent:
+                plgpu.barrier_wait(r.second_loads)  # q
+                plgpu.barrier_wait(handoff.at[0])
+
+        key_terms = [(r.a_s.at[part], r.k_s) for part in range(2)]
+        key_terms += [(transposed(r.a_s.at[part]), r.k_s) for part in range(2)]
+        score_terms = [(transposed(r.p_s.at[part]), r.q_s) for part in range(2)]
+        dk = mc.wgmma_layout(dk + accumulate(key_terms, before_last=wait_for_scores, last=score_terms))
+        out["dk"][...] = mc.wgmma_layout(dk.astype(out["dk"].dtype))
+        local = 0.0
+
+    # colsum(Z) of this warpgroup's part of Z: rows of Z^T times ones, Z's pair in place of this warpgroup's
+    # scores once both warpgroups have read them.
+    if concurrent:
+        (plgpu.barrier_wait if w == 0 else plgpu.barrier_arrive)(handoff.at[1])
+    yield
+    z_tiles = r.p_s if w == 0 else r.a_s
+    mc.store_split(z, z_tiles.at[0], z_tiles.at[1])
     plgpu.commit_smem()
-
-    def accumulate(products, m=C, n=K):
-        """One accumulator over `products` ((A, B) operand pairs), read once they have all been issued. dk and dq
-        are built one accumulator at a time (two at once measured the same: 0.846 / 0.866 ms at 8x2048x16x128,
-        ptxas 468 / 480 bytes spilled either way, H100 2026-11-26)."""
-        def body(acc_ref):
-            for a_operand, b_operand in products:
-                plgpu.wgmma(acc_ref, a_operand, b_operand)
-            return acc_ref[...]
-        return pl.run_scoped(body, mc.acc(m, n))
-
-    pairs = lambda tiles, b_operand: [(tiles.at[j, part], b_operand(j)) for j in range(2) for part in range(2)]
-    # dk: its C x C terms; its state term through S_0, the row factor -beta f of dks = -beta f (.) dx after the
-    # product; (e (.) u) dS_end^T, the factor e after the product.
-    dk = accumulate([(transposed(p_hi), q_s), (transposed(p_lo), q_s), (a_hi, k_s), (a_lo, k_s),
-                     (transposed(a_hi), k_s), (transposed(a_lo), k_s)])
-    dk = mc.wgmma_layout(dk - rows(beta_start, K) * accumulate(pairs(x_s, lambda j: transposed(s0_s.at[j]))))
-    dk = mc.wgmma_layout(dk + rows(to_end, K) * accumulate(pairs(u_s, lambda j: transposed(dend_s.at[j]))))
-    dk_ref.at[b, tokens, h, :][...] = mc.wgmma_layout(dk.astype(dk_ref.dtype))
-    # Reading the last accumulator waited for every wgmma: the u and dx tiles are free.
-
-    z_hi, z_lo, ones_s = x_s.at[0, 0], x_s.at[0, 1], u_s.at[0, 0]
-    mc.store_split(z, z_hi, z_lo)
-    ones_s[...] = mc.wgmma_layout(jnp.ones((C, C), BF16))  # colsum(Z) = rows of Z^T times ones
-    plgpu.commit_smem()
-
-    ones_products = [(transposed(z_hi), ones_s), (transposed(z_lo), ones_s)]
-    dgate = dgate - jnp.max(accumulate(ones_products, n=C), axis=1)  # every column holds colsum(Z)
-
-    dq_state = accumulate([(do_s.at[j], transposed(s0_s.at[j])) for j in range(2)])
-    dq_state = mc.wgmma_layout(scale * rows(from_start, K) * dq_state)
-    local = jnp.sum(dq_state * load(q_s), axis=1)
-    dq = mc.wgmma_layout(dq_state + accumulate([(p_hi, k_s), (p_lo, k_s)]))
-    dq_ref.at[b, tokens, h, :][...] = mc.wgmma_layout(dq.astype(dq_ref.dtype))
-    dbeta_ref.at[bh, tokens][...] = dbeta
-    dgate_ref.at[bh, tokens][...] = dgate + local
-    end_ref.at[bh, tokens][...] = end
-    # Last, when few registers are live: sum(S_0 (.) dS_end) by rows, for the survival factor's gradient.
-    survive_ref.at[bh, state_rows][...] = sum(jnp.sum(load(s0_s.at[j]) * load(dend_s.at[j]), axis=1)
-                                              for j in range(2))
+    colsum = jnp.max(accumulate([(transposed(z_tiles.at[part]), r.ones_s) for part in range(2)], n=C), axis=1)
+    out["dbeta"][...] = dbeta
+    out["dgate"][...] = dgate - colsum + local
+    out["end"][...] = end
+    # Last, when few registers are live: sum(S_0 (.) dS_end) by rows over V half w, for the survival factor.
+    out["survive"][...] = jnp.sum(load(r.s0_s.at[w]) * load(r.dend_s.at[w]), axis=1)
 
 
 def token_vectors(g, beta, carry, tail, doc=None):
@@ -226,12 +284,14 @@ def _scratch_types():
     C, K = CHUNK, HEAD_DIM
     inputs = (mc.tiled((C, K)), mc.tiled((C, K)), mc.tiled((2, C, HALF)), mc.tiled((2, K, HALF)),
               mc.tiled((2, K, HALF)), mc.tiled((2, 2, C, HALF)), mc.tiled((2, 2, C, HALF)))
+    operands = (mc.tiled((2, C, C)), mc.tiled((2, C, C)), mc.tiled((C, C)))  # dP pair, dA_k pair, ones
     vectors = tuple(plgpu.SMEM((C,), F32) for _ in ROW_VECTORS + COL_VECTORS)
-    operands = tuple(mc.tiled((C, C)) for _ in range(4))
-    # Arrivals: one per copy of each group (`_grad_body`).
+    # Arrivals: one per copy of each group (`_grad_body`); one per warpgroup for the handoffs.
     first = 1 + len(ROW_VECTORS) + len(COL_VECTORS) + 2 * (2 + 4)
     second = 2 + 1
-    return inputs + operands + vectors + (plgpu.Barrier(num_arrivals=first), plgpu.Barrier(num_arrivals=second))
+    barriers = (plgpu.Barrier(num_arrivals=first), plgpu.Barrier(num_arrivals=second),
+                plgpu.Barrier(num_arrivals=1, num_barriers=2))
+    return inputs + operands + vectors + barriers
 
 
 def as_pair(x):
@@ -248,16 +308,24 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     V = v.shape[-1]
     nt = Tp // CHUNK
     vectors = token_vectors(g, beta, carry, tail, doc)
-    bh_vector = jax.ShapeDtypeStruct((B * H, Tp), F32)
+    bh_vector = jax.ShapeDtypeStruct((2, B * H, Tp), F32)  # one share per warpgroup
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
                 jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), bh_vector, bh_vector, bh_vector,
-                jax.ShapeDtypeStruct((B * H, nt * K), F32))
+                jax.ShapeDtypeStruct((2, B * H, nt * K), F32))
+    # Two warpgroups compiled. The interpreter runs each Pallas thread as a computation of its own, and on few CPU
+    # cores one blocked in a barrier wait can starve the other of host threads (seen on 2 cores): there one
+    # warpgroup runs both roles in turn (the same SMEM handoffs, no barriers between the roles).
+    threads = 1 if interpret else 2
     kernel = plgpu.kernel(
-        functools.partial(_grad_body, scale=scale, num_heads=H, segmented=segmented), out_type=out_type,
-        scratch_types=_scratch_types(), grid=(nt, B * H), grid_names=("chunk", "head"),
-        compiler_params=plgpu.CompilerParams(), interpret=plgpu.InterpretGPUParams() if interpret else False,
+        functools.partial(_grad_body, scale=scale, num_heads=H, segmented=segmented, threads=threads),
+        out_type=out_type, scratch_types=_scratch_types(), grid=(nt, B * H), grid_names=("chunk", "head"),
+        num_threads=threads, thread_name="wg",
+        # Every reduction is along the rows, within a warp: no SMEM for cross-warp ones (which fills 227 KiB).
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
         kernel_name="wy_grads_mosaic")
-    dq, dk, dv, dbeta, dgate, end, survive_rows = kernel(q, k, v, do, *u, *dx, starts, dends, vectors)
+    dq, dk, dv, *shares = kernel(q, k, v, do, *u, *dx, starts, dends, vectors)
+    dbeta, dgate, end, survive_rows = (x[0] + x[1] for x in shares)
     heads_last = lambda x: jnp.moveaxis(x.reshape(B, H, Tp), 1, 2)
     dlog = _dlog(heads_last(dgate), heads_last(end), survive_rows.reshape(B, H, nt, K).sum(-1), g, carry)
     return dq, dk, dv, heads_last(dbeta), dlog

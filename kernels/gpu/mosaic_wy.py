@@ -532,11 +532,12 @@ def _saves_triton_residuals(cfg, tcfg):
 
 def _wy_mosaic_fwd(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
     """The Mosaic pass, also writing what the Triton backward reads (`_saves_triton_residuals`); otherwise the
-    Triton forward pass with states. T's pair is written once, for the Mosaic pass and the reverse pass (fp32 T
+    Triton forward pass with states (u as its bf16 pair where the Mosaic gradient kernel reads it). T's pair is written once, for the Mosaic pass and the reverse pass (fp32 T
     too where the reverse pass reads that)."""
     cfg, tcfg, scale, segmented, interpret = static
     if not _saves_triton_residuals(cfg, tcfg):
-        return wy_chunk._wy_fwd(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0)
+        return wy_chunk._wy_fwd(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0,
+                                u_pair=_mosaic_grads_apply(cfg, tcfg))
     g = wy_chunk._gate_input(tcfg, log_decay)
     reverse_fp32 = tcfg.reverse_inverse_storage != "split"
     written = wy_chunk._inverse(tcfg, k, beta, g, doc, pair=True, fp32=reverse_fp32)
@@ -561,7 +562,7 @@ def _wy_mosaic_bwd(static, residuals, cotangents):
     cfg, tcfg, scale, segmented, interpret = static
     q, k, v, beta, g, doc, carry, tail, t, _, starts, (u,) = residuals
     if not _mosaic_grads_apply(cfg, tcfg):
-        if isinstance(u, tuple):  # the Mosaic pass's pair; the Triton gradient kernel reads fp32 u
+        if isinstance(u, tuple):  # u's pair from the Mosaic pass; the Triton gradient kernel reads fp32 u
             residuals = residuals[:11] + ([u[0].astype(F32) + u[1].astype(F32)],)
         return wy_chunk._wy_bwd(tcfg, residuals, cotangents)
     do, dfinal = cotangents

@@ -507,7 +507,8 @@ def _output(cfg, q, k, g, doc, from_start, s, u):
 def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, scalar_refs, h0_ref, o_ref, final_ref,
                     *saved_refs, cfg: Config, nt: int):
     """`cfg.output_method` "fused": the output inside the pass. saved_refs: none (forward only), or every chunk's
-    start state, and with `cfg.grads_from_passes` u. scalar_refs: see `_pass_scalar_inputs`."""
+    start state, and with `cfg.grads_from_passes` u (fp32, or its bf16 hi and lo halves: `_save_u`). scalar_refs:
+    see `_pass_scalar_inputs`."""
     C = cfg.chunk_size
     K = q_ref.shape[-1]
     states_ref = saved_refs[:1]
@@ -520,8 +521,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, scalar
         k, g = k_ref[rows, :], _gates(g_ref, rows)
         scalars = stored if stored is not None else _chunk_scalars(g, *(ref[rows] for ref in scalar_refs))
         u, s_end = _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k, scalars, s)
-        if cfg.delta and len(saved_refs) == 2:
-            saved_refs[1][rows, :] = u
+        if cfg.delta:
+            _save_u(saved_refs[1:], rows, u)
         o_ref[rows, :] = _output(cfg, q_ref[rows, :], k, g, doc_ref[rows], scalars[0], s, u).astype(o_ref.dtype)
         return s_end
 
@@ -544,18 +545,28 @@ def _state_kernel(k_ref, v_ref, beta_ref, t_ref, scalar_refs, h0_ref, final_ref,
             g_ref, carry_ref, tail_ref = scalar_refs
             stored = _chunk_scalars(_gates(g_ref, rows), carry_ref[rows], tail_ref[rows])
         u, s_end = _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k_ref[rows, :], stored, s)
-        if u_ref:
-            u_ref[0][rows, :] = u
+        _save_u(u_ref, rows, u)
         return s_end
 
     final_ref[...] = _pass_loop(cfg, nt, scalar_refs, chunk, h0_ref[...])
 
 
-def _output_kernel(q_ref, k_ref, u_ref, g_ref, doc_ref, carry_ref, s0_ref, o_ref, *, cfg: Config):
-    """Eq. (5) for one chunk and V block, from the start state and u written by `_state_kernel`."""
+def _save_u(u_refs, rows, u):
+    """u of one chunk into the pass's u output: none, fp32, or its bf16 (hi, lo) halves (two refs)."""
+    if len(u_refs) == 1:
+        u_refs[0][rows, :] = u
+    elif u_refs:
+        u_refs[0][rows, :], u_refs[1][rows, :] = _split_bf16(u)
+
+
+def _output_kernel(q_ref, k_ref, *refs, cfg: Config):
+    """Eq. (5) for one chunk and V block, from the start state and u written by `_state_kernel` (fp32, or its bf16
+    halves, summed here). refs: u's, then g, doc, carry, the start states and o."""
+    *u_refs, g_ref, doc_ref, carry_ref, s0_ref, o_ref = refs
     g = _gates(g_ref)
     from_start = carry_ref[...] * jnp.exp(g[0] + g[1])
-    o = _output(cfg, q_ref[...], k_ref[...], g, doc_ref[...], from_start, s0_ref[...], u_ref[...].astype(F32))
+    u = sum(ref[...].astype(F32) for ref in u_refs)
+    o = _output(cfg, q_ref[...], k_ref[...], g, doc_ref[...], from_start, s0_ref[...], u)
     o_ref[...] = o.astype(o_ref.dtype)
 
 
@@ -572,14 +583,17 @@ def _state_dtype(cfg):
     return BF16 if cfg.state_storage == "bf16" else F32
 
 
-def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states):
-    """(o, final state), and `with_states` every chunk's start state and (`_saves_u_dx`) u."""
+def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states, u_pair=False):
+    """(o, final state), and `with_states` every chunk's start state and (`_saves_u_dx`) u: fp32, or with `u_pair`
+    its bf16 (hi, lo) halves as a tuple of two arrays."""
+    u_dtypes = (BF16, BF16) if u_pair else (F32,)
     if cfg.output_method == "split":
-        final, starts, *u = _state_pass(cfg, k, v, beta, t, g, carry, tail, h0)
-        o = _output_pass(cfg, q, k, u[0] if u else v, g, doc, carry, starts, v.dtype)
+        final, starts, *u = _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, u_dtypes)
+        u = tuple(u) if len(u) == 2 else u[0] if u else None
+        o = _output_pass(cfg, q, k, v if u is None else u, g, doc, carry, starts, v.dtype)
         if not with_states:
             return o, final
-        return (o, final, starts, *u) if _saves_u_dx(cfg) else (o, final, starts)
+        return (o, final, starts, u) if _saves_u_dx(cfg) else (o, final, starts)
     if cfg.output_method != "fused":
         raise ValueError(f"output_method must be one of {OUTPUT_METHODS}, got {cfg.output_method!r}")
     B, Tp, H, K = q.shape
@@ -593,10 +607,10 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
         out_shape.append(jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg)))
         out_specs.append(sp["states"])
         if _saves_u_dx(cfg):
-            out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
-            out_specs.append(sp["value"])
+            out_shape += [jax.ShapeDtypeStruct((B, Tp, Hv, V), dtype) for dtype in u_dtypes]
+            out_specs += [sp["value"]] * len(u_dtypes)
     scalars, scalar_specs = _pass_scalar_inputs(cfg, sp, g, carry, tail, gates=False)
-    return pl.pallas_call(
+    o, final, *saved = pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
         in_specs=[sp["key"], sp["key"], sp["value"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"],
@@ -607,6 +621,9 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
         interpret=cfg.interpret,
         name="wy_forward",
     )(q, k, v, beta, t, g, doc, scalars, h0)
+    if len(saved) == 3:  # the start states and u's halves
+        saved = [saved[0], tuple(saved[1:])]
+    return (o, final, *saved)
 
 
 def _pass_layout(cfg, t, B, Tp, K, Hv, V):
@@ -620,14 +637,15 @@ def _pass_layout(cfg, t, B, Tp, K, Hv, V):
     return BV, nt, sp, [sp["state"], sp["states"]], out_shape
 
 
-def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0):
-    """The sequential pass of "split": (final state, every chunk's start state, u (delta rule only))."""
+def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, u_dtypes=(F32,)):
+    """The sequential pass of "split": (final state, every chunk's start state, u (delta rule only): fp32, or with
+    `u_dtypes` (bf16, bf16) its hi and lo halves)."""
     B, Tp, H, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     BV, nt, sp, out_specs, out_shape = _pass_layout(cfg, t, B, Tp, K, Hv, V)
     if cfg.delta:
-        out_specs.append(sp["value"])
-        out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), F32))
+        out_specs += [sp["value"]] * len(u_dtypes)
+        out_shape += [jax.ShapeDtypeStruct((B, Tp, Hv, V), dtype) for dtype in u_dtypes]
     scalars, scalar_specs = _pass_scalar_inputs(cfg, sp, g, carry, tail)
     return pl.pallas_call(
         functools.partial(_state_kernel, cfg=cfg, nt=nt),
@@ -642,9 +660,11 @@ def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0):
 
 
 def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype):
-    """O of every chunk, chunk-parallel: grid (V/BV, chunks, B*Hv) with BV = `cfg.output_block_v`."""
+    """O of every chunk, chunk-parallel: grid (V/BV, chunks, B*Hv) with BV = `cfg.output_block_v`. u: fp32, v (linear
+    attention), or a tuple of u's bf16 halves."""
+    u = u if isinstance(u, tuple) else (u,)
     B, Tp, H, K = q.shape
-    Hv, V = u.shape[2], u.shape[3]
+    Hv, V = u[0].shape[2], u[0].shape[3]
     C, G = cfg.chunk_size, Hv // H
     BV = min(cfg.output_block_v, V)
     key_spec = pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0))
@@ -653,7 +673,7 @@ def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype):
         functools.partial(_output_kernel, cfg=cfg),
         grid=(V // BV, Tp // C, B * Hv),
         grid_order=cfg.grid_order,
-        in_specs=[key_spec, key_spec, value_spec,
+        in_specs=[key_spec, key_spec, *[value_spec] * len(u),
                   pl.BlockSpec((2, None, C, None), lambda j, i, bh: (0, bh // Hv, i, bh % Hv)),
                   pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
                   pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
@@ -663,7 +683,7 @@ def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype):
         compiler_params=_params(cfg.output_warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_output",
-    )(q, k, u, g, doc, carry, starts)
+    )(q, k, *u, g, doc, carry, starts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1246,10 +1266,13 @@ def _wy(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     return _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=False)
 
 
-def _wy_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
+def _wy_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, *, u_pair=False):
+    """The forward rule of `_wy`; `u_pair`: u saved as its bf16 (hi, lo) halves (a tuple), for the Mosaic GPU
+    gradient kernel (`mosaic_wy`), which reads them as its wgmma operands."""
     g = _gate_input(cfg, log_decay)
     t_forward, t, t_grads = _inverses(cfg, k, beta, g, doc, for_grads=True)
-    o, final, starts, *u = _forward_pass(cfg, q, k, v, beta, t_forward, g, doc, carry, tail, h0, with_states=True)
+    o, final, starts, *u = _forward_pass(cfg, q, k, v, beta, t_forward, g, doc, carry, tail, h0, with_states=True,
+                                         u_pair=u_pair)
     return (o, final), (q, k, v, beta, g, doc, carry, tail, t, t_grads, starts, u)
 
 

@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from deltajax.kernels.gpu import mosaic_wy_grads, wy_chunk
+from deltajax.kernels.gpu.common import split_bf16_in_xla
 from testing_utils import fresh_key, relative_error, rule_inputs
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
@@ -81,6 +82,28 @@ def test_matches_the_triton_kernel_in_interpreter(case):
         k = k[:, :1] + 0.1 * k
         x["k"] = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
     _compare(x)
+
+
+@pytest.mark.parametrize("output_method", ["fused", "split"])
+def test_triton_forward_saves_u_as_its_pair(output_method):
+    """With few heads `impl="mosaic"` runs the Triton forward pass, which then writes u as its bf16 halves for this
+    kernel (`_wy_fwd(u_pair=True)`): bit for bit the split of the fp32 u it saves otherwise, with the same outputs
+    (the output pass of "split" reads hi + lo in place of u, whose split it takes anyway)."""
+    x = rule_inputs(fresh_key(), B=1, T=150, H=2, K=D, V=D, dtype=jnp.bfloat16, beta_max=2.0, with_initial_state=True,
+                    packed=True)
+    cfg = wy_chunk.replace_config(
+        wy_chunk.default_config(x["q"], x["v"], scale=SCALE, chunk_size=64, delta=True, segmented=True,
+                                interpret=not ON_GPU), output_method=output_method)
+    args = wy_chunk.padded_call_inputs(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], x["initial_state"],
+                                       x["segment_ids"], 64)
+    (o, final), residuals = jax.jit(lambda *a: wy_chunk._wy_fwd(cfg, *a))(*args)
+    (o_pair, final_pair), residuals_pair = jax.jit(lambda *a: wy_chunk._wy_fwd(cfg, *a, u_pair=True))(*args)
+    (u,), ((hi, lo),) = residuals[-1], residuals_pair[-1]
+    assert hi.dtype == lo.dtype == jnp.bfloat16
+    expected_hi, expected_lo = split_bf16_in_xla(u)
+    assert bool(jnp.all(hi == expected_hi)) and bool(jnp.all(lo == expected_lo))
+    assert bool(jnp.all(final_pair == final))
+    assert relative_error(o_pair.astype(jnp.float32), o.astype(jnp.float32)) <= 1e-4
 
 
 def test_without_decay_in_interpreter():

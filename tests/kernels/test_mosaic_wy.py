@@ -215,8 +215,8 @@ def test_gradients_match_scan_in_interpreter(packed, config):
 
 def test_saved_states_match_the_triton_pass_in_interpreter():
     """The residuals the Mosaic pass writes for the backward (bf16 start states, u as its bf16 hi/lo pair)
-    against those of the Triton forward pass on the same inputs (fp32 u); both take plain-bf16 state products, so
-    they agree to bf16 rounding."""
+    against those of the Triton forward pass on the same inputs (which also writes u's pair for the Mosaic gradient
+    kernel); both take plain-bf16 state products, so they agree to bf16 rounding."""
     x = _bf16_inputs(fresh_key(), B=1, T=192, H=2, beta_max=2.0, with_initial_state=True)
     static_args = dict(scale=0.3, initial_state=x["initial_state"], segment_ids=None)
     captured = {}
@@ -234,10 +234,11 @@ def test_saved_states_match_the_triton_pass_in_interpreter():
             patch.setattr(mosaic_wy._wy_mosaic, "fwd", fwd)
             jax.vjp(lambda q: chunk_wy_mosaic(q, x["k"], x["v"], x["beta"], x["log_decay"], config=cfg,
                                               **static_args), x["q"])
-    (starts, (u_hi, u_lo)), (starts_ref, u_ref) = captured["mosaic"], captured["triton"]
+    (starts, (u_hi, u_lo)), (starts_ref, u_ref_pair) = captured["mosaic"], captured["triton"]
     assert starts.dtype == starts_ref.dtype == jnp.bfloat16 and starts.shape == starts_ref.shape
-    assert u_hi.dtype == u_lo.dtype == jnp.bfloat16 and u_ref.dtype == jnp.float32
+    assert all(part.dtype == jnp.bfloat16 for part in (u_hi, u_lo, *u_ref_pair))
     u = u_hi.astype(jnp.float32) + u_lo.astype(jnp.float32)
+    u_ref = sum(part.astype(jnp.float32) for part in u_ref_pair)
     assert u.shape == u_ref.shape
     # lo is the rounding remainder of hi: at most half a bf16 ulp of it.
     assert bool(jnp.all(jnp.abs(u_lo.astype(jnp.float32)) <= 2.0 ** -8 * jnp.abs(u_hi.astype(jnp.float32))))

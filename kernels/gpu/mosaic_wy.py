@@ -532,8 +532,8 @@ def _saves_triton_residuals(cfg, tcfg):
 
 def _wy_mosaic_fwd(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
     """The Mosaic pass, also writing what the Triton backward reads (`_saves_triton_residuals`); otherwise the
-    Triton forward pass with states (u as its bf16 pair where the Mosaic gradient kernel reads it). T's pair is written once, for the Mosaic pass and the reverse pass (fp32 T
-    too where the reverse pass reads that)."""
+    Triton forward pass with states (u as its bf16 pair where the Mosaic gradient kernel reads it). T's pair is
+    written once, for the Mosaic pass and the reverse pass (fp32 T too where the reverse pass reads that)."""
     cfg, tcfg, scale, segmented, interpret = static
     if not _saves_triton_residuals(cfg, tcfg):
         return wy_chunk._wy_fwd(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0,

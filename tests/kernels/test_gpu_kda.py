@@ -417,9 +417,11 @@ def test_bf16_stored_operands_equal_inline_in_interpreter(forward):
     32 in prepare, the operand kernel and the pair gradients.
 
     fp32 results (state, dbeta, dlog_decay, dinitial_state) agree to 1e-5 (1.6e-6 at most over 20 draws). Results
-    returned in bf16 (o, dq, dk, dv) can differ where the fp32 values straddle a bf16 rounding boundary, one ulp
-    (2^-8 to 2^-7 of the element) for a few elements: up to 5.2e-5 relative over the same 20 draws, so 2e-4, ten
-    times below the ~2e-3 at which two independently accurate bf16 paths differ."""
+    returned in bf16 (o, dq, dk, dv) can differ where the fp32 values straddle a bf16 rounding boundary: by one ulp,
+    in a few elements. That is what is asserted (at most one ulp per element beside 1e-5 of the array's largest
+    element, in at most 0.5% of the elements), not a norm: one flipped element of 8320 measured 3.7e-4 relative
+    (seed 1457830431, CI 2026-11-26), while two independently accurate bf16 paths differ by ~2e-3 with most
+    elements off."""
     x = _round_trip_bf16(_inputs(T=130, B=1, K=64, V=32))
     x["scale"] = 64 ** -0.5
     cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
@@ -432,8 +434,16 @@ def test_bf16_stored_operands_equal_inline_in_interpreter(forward):
         results[operands] = (_call(fn, x), _grads(fn, x))
     (out_s, grads_s), (out_i, grads_i) = results["stored"], results["inline"]
     for a, b in zip(jax.tree.leaves((out_s, grads_s)), jax.tree.leaves((out_i, grads_i))):
-        bound = 1e-5 if a.dtype == jnp.float32 else 2e-4
-        assert relative_error(a.astype(jnp.float32), b.astype(jnp.float32)) <= bound, (a.dtype, a.shape)
+        if a.dtype == jnp.float32:
+            assert relative_error(a, b) <= 1e-5, (a.dtype, a.shape)
+            continue
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        magnitude = jnp.maximum(jnp.abs(a), jnp.abs(b))
+        ulp = jnp.where(magnitude > 0, 2.0 ** (jnp.floor(jnp.log2(jnp.where(magnitude > 0, magnitude, 1.0))) - 7), 0.0)
+        # plus the fp32 paths' own difference, which decides the rounding of elements near zero
+        ulp = ulp + 1e-5 * jnp.max(magnitude)
+        differing = int(jnp.sum(a != b))
+        assert bool(jnp.all(jnp.abs(a - b) <= ulp)) and differing <= 0.005 * a.size, (a.shape, differing)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -586,10 +586,9 @@ def _state_dtype(cfg):
 def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states, u_pair=False):
     """(o, final state), and `with_states` every chunk's start state and (`_saves_u_dx`) u: fp32, or with `u_pair`
     its bf16 (hi, lo) halves as a tuple of two arrays."""
-    u_dtypes = (BF16, BF16) if u_pair else (F32,)
     if cfg.output_method == "split":
-        final, starts, *u = _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, u_dtypes)
-        u = tuple(u) if len(u) == 2 else u[0] if u else None
+        final, starts, *u = _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, u_pair=u_pair)
+        u = _grouped_u(u)
         o = _output_pass(cfg, q, k, v if u is None else u, g, doc, carry, starts, v.dtype)
         if not with_states:
             return o, final
@@ -607,8 +606,8 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
         out_shape.append(jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg)))
         out_specs.append(sp["states"])
         if _saves_u_dx(cfg):
-            out_shape += [jax.ShapeDtypeStruct((B, Tp, Hv, V), dtype) for dtype in u_dtypes]
-            out_specs += [sp["value"]] * len(u_dtypes)
+            out_shape += _u_shapes(u_pair, (B, Tp, Hv, V))
+            out_specs += [sp["value"]] * (1 + u_pair)
     scalars, scalar_specs = _pass_scalar_inputs(cfg, sp, g, carry, tail, gates=False)
     o, final, *saved = pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, nt=nt),
@@ -621,9 +620,10 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
         interpret=cfg.interpret,
         name="wy_forward",
     )(q, k, v, beta, t, g, doc, scalars, h0)
-    if len(saved) == 3:  # the start states and u's halves
-        saved = [saved[0], tuple(saved[1:])]
-    return (o, final, *saved)
+    if not saved:
+        return o, final
+    u = _grouped_u(saved[1:])
+    return (o, final, saved[0]) if u is None else (o, final, saved[0], u)
 
 
 def _pass_layout(cfg, t, B, Tp, K, Hv, V):
@@ -637,15 +637,25 @@ def _pass_layout(cfg, t, B, Tp, K, Hv, V):
     return BV, nt, sp, [sp["state"], sp["states"]], out_shape
 
 
-def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, u_dtypes=(F32,)):
+def _u_shapes(pair, shape):
+    """The pass outputs that save u (or dx): fp32, or with `pair` its bf16 hi and lo halves."""
+    return [jax.ShapeDtypeStruct(shape, dtype) for dtype in ((BF16, BF16) if pair else (F32,))]
+
+
+def _grouped_u(outputs):
+    """The u outputs of a pass as one value: None, the fp32 array, or a tuple of its halves."""
+    return tuple(outputs) if len(outputs) == 2 else outputs[0] if outputs else None
+
+
+def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, *, u_pair=False):
     """The sequential pass of "split": (final state, every chunk's start state, u (delta rule only): fp32, or with
-    `u_dtypes` (bf16, bf16) its hi and lo halves)."""
+    `u_pair` its bf16 hi and lo halves)."""
     B, Tp, H, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     BV, nt, sp, out_specs, out_shape = _pass_layout(cfg, t, B, Tp, K, Hv, V)
     if cfg.delta:
-        out_specs += [sp["value"]] * len(u_dtypes)
-        out_shape += [jax.ShapeDtypeStruct((B, Tp, Hv, V), dtype) for dtype in u_dtypes]
+        out_specs += [sp["value"]] * (1 + u_pair)
+        out_shape += _u_shapes(u_pair, (B, Tp, Hv, V))
     scalars, scalar_specs = _pass_scalar_inputs(cfg, sp, g, carry, tail)
     return pl.pallas_call(
         functools.partial(_state_kernel, cfg=cfg, nt=nt),
@@ -732,9 +742,8 @@ def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal, *, dx_pai
     Hv, V = do.shape[2], do.shape[3]
     BV, nt, sp, out_specs, out_shape = _pass_layout(cfg, t, B, Tp, K, Hv, V)
     if _saves_u_dx(cfg):
-        for dtype in (BF16, BF16) if dx_pair else (F32,):
-            out_specs.append(sp["value"])
-            out_shape.append(jax.ShapeDtypeStruct((B, Tp, Hv, V), dtype))
+        out_specs += [sp["value"]] * (1 + dx_pair)
+        out_shape += _u_shapes(dx_pair, (B, Tp, Hv, V))
     scalars, scalar_specs = _pass_scalar_inputs(cfg, sp, g, carry, tail, gates=False)
     return pl.pallas_call(
         functools.partial(_reverse_kernel, cfg=cfg, nt=nt),

@@ -22,6 +22,7 @@ import numpy as np
 from deltajax.kernels.gpu import mosaic_wy, mosaic_wy_grads, wy_chunk
 import _timing as timing  # experiments/
 from _kernel_inputs import kernel_inputs  # experiments/
+from _mosaic_calls import training_step_cells  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (D must be 128).")
@@ -40,14 +41,6 @@ def residuals(B, T, H, D, q, k, v, beta, log_decay):
     dfinal = jnp.zeros((B, H, D, D), jnp.float32)
     _, dends, dx = wy_chunk._reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal)
     return cfg, t_grads, (q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx)
-
-
-def end_to_end(cfg, D):
-    def loss(q, k, v, beta, log_decay):
-        o, s = mosaic_wy.chunk_wy_mosaic(q, k, v, beta, log_decay, scale=D ** -0.5, initial_state=None,
-                                         segment_ids=None, config=cfg)
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
 def main(argv):
@@ -80,11 +73,7 @@ def main(argv):
             row += [f"failed: {type(e).__name__}: {str(e)[:300]}", "-", "-"]
         if FLAGS.end_to_end:
             base = mosaic_wy.default_config(batch_heads=B * H)
-            for grads in ("mosaic", "triton"):
-                try:
-                    row.append(f"{ms(end_to_end(dataclasses.replace(base, grads=grads), D), *x):.3f}")
-                except Exception as e:
-                    row.append(f"failed: {type(e).__name__}: {str(e)[:200]}")
+            row += training_step_cells(ms, [dataclasses.replace(base, grads=g) for g in ("mosaic", "triton")], D, x)
         print("| " + " | ".join(row) + " |", flush=True)
 
 

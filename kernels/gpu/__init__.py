@@ -11,9 +11,9 @@ backend, log_decay [B, T, Hv, K], bfloat16 (as above; float32 interprets and low
 chunk size 64, at most `MAX_BATCH_HEADS` batch x value-head pairs. For the delta rule the registered function
 (`chunked_delta_rule`) routes on the shape of log_decay and the registered predicate accepts what either accepts.
 
-"mosaic" (`mosaic_wy.py`, `mosaic_wy_grads.py`, Hopper only) is the Gated DeltaNet with its sequential forward pass
-(from 32 value heads per call; the Triton one below) and its chunk-parallel gradient kernel in Mosaic GPU, the
-reverse pass in Triton.
+"mosaic" (`mosaic_wy.py`, `mosaic_wy_grads.py`, Hopper only) is the Gated DeltaNet with its sequential forward and
+reverse passes (from 32 value heads per call; the Triton ones below) and its chunk-parallel gradient kernel in
+Mosaic GPU.
 `supports_mosaic`: the GPU backend on a compute capability 9.x device, the delta rule with no or a scalar decay,
 bfloat16 q/k/v, K = V = 128, Hv == H, chunk size 64. "auto" prefers it over "pallas" (`MOSAIC_PRIORITY`): measured
 as fast or faster forward and forward+backward at every size timed (docs/benchmarks.md).

@@ -84,11 +84,13 @@ def cols(ref, m):
     return wgmma_layout(lax.broadcast_in_dim(x, (m, ref.shape[0]), [1]))
 
 
-def chunk_masks(row_doc, col_doc, c, segmented):
-    """(t >= s, t > s) for a c x c chunk, within one document when `segmented` (doc: the SMEM document index as
-    rows and as columns)."""
+def chunk_masks(row_doc, col_doc, c, segmented, *, transposed=False):
+    """(t >= s, t > s) for a c x c chunk (row t, column s), within one document when `segmented` (doc: the SMEM
+    document index as rows and as columns). `transposed`: the masks of the transposed matrix (row s, column t)."""
     row = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=plgpu.Layout.WGMMA)
     col = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=plgpu.Layout.WGMMA)
+    if transposed:
+        row, col = col, row
     causal, strict = row >= col, row > col
     if segmented:
         same = rows(row_doc, c) == cols(col_doc, c)
@@ -96,9 +98,11 @@ def chunk_masks(row_doc, col_doc, c, segmented):
     return causal, strict
 
 
-def pair_decay(g_hi, g_lo, g_hi_c, g_lo_c, causal, c):
-    """exp(G_t - G_s) where `causal`, else 0. The gate difference is taken part by part so that near-1 decays
-    after a large cumulative gate keep their fp32 accuracy, and masked before the exp so that it cannot
-    overflow."""
+def pair_decay(g_hi, g_lo, g_hi_c, g_lo_c, causal, c, *, transposed=False):
+    """exp(G_t - G_s) where `causal`, else 0, at row t and column s (`transposed`: row s, column t). The gate
+    difference is taken part by part so that near-1 decays after a large cumulative gate keep their fp32 accuracy,
+    and masked before the exp so that it cannot overflow."""
     diff = wgmma_layout((rows(g_hi, c) - cols(g_hi_c, c)) + (rows(g_lo, c) - cols(g_lo_c, c)))
+    if transposed:
+        diff = -diff
     return wgmma_layout(jnp.exp(jnp.where(causal, diff, -jnp.inf)))

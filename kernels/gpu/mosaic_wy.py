@@ -1,9 +1,11 @@
-"""Forward pass of the Gated DeltaNet (delta rule, scalar decay) in the chunkwise WY form as a Mosaic GPU kernel.
+"""The sequential passes of the Gated DeltaNet (delta rule, scalar decay) in the chunkwise WY form as Mosaic GPU
+kernels: the forward pass, and under differentiation the reverse pass of the state cotangent (`_reverse_step`).
 
 The math is equations (1)-(6) of `wy_chunk` (see its docstring). The chunk-parallel parts are shared with the
 Triton path: the compensated in-chunk gates G = hi + lo and the in-chunk inverse T of eq. (2) come from
 `wy_chunk._in_chunk_cumsum` and `wy_chunk._inverse`. This module replaces the sequential pass (`_forward_kernel`)
-by a `plgpu.kernel` for Hopper:
+by a `plgpu.kernel` for Hopper (and `wy_chunk._reverse_kernel` likewise, walking the chunks backwards with the same
+inputs, dO in place of v, and the same CTA layouts, `_pass_body`):
 
 - grid (V/BV, B*Hv), one warpgroup per CTA; CTA (j, bh) owns the state block S[:, j*BV:(j+1)*BV] (K x BV, fp32,
   in registers in the WGMMA layout) of value head bh and walks the chunks in order (BV = 64, or 32 for few heads:
@@ -30,9 +32,10 @@ Per chunk (C = 64, K = 128, BV = 64), with the wgmma shapes M x N x K:
 Inputs are bf16 q/k/v with K = V = 128 and Hv == H (no key-head sharing yet); the per-token scalars carry
 exp(G), tail exp(G_C - G), the chunk survival factor and the document masks are computed in XLA as in
 `wy_chunk.chunk_wy`. Differentiated (a `custom_vjp`), the pass also writes what the backward reads (every chunk's
-start state, and u as its bf16 pair, by TMA from the operand tiles); the backward is the Triton reverse pass and the
-Mosaic GPU gradient kernel (`mosaic_wy_grads`). With few heads per call the Triton forward pass runs instead
-(`Config.mosaic_forward`).
+start state, and u as its bf16 pair, by TMA from the operand tiles); the backward is the Mosaic reverse pass
+(writing every chunk's end-state cotangent and dx as its bf16 pair) and the Mosaic GPU gradient kernel
+(`mosaic_wy_grads`). With few heads per call the Triton passes run instead (`Config.mosaic_forward`,
+`Config.mosaic_reverse`).
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ SM_COUNT = 132  # H100 SXM and H200
 # below, the Triton one runs (primal and differentiated) and only the gradient kernel is Mosaic's. The forward as
 # differentiation runs it (`bench_mosaic_gpu.py --residuals`, H100, 2026-11-26 08:30), Mosaic / Triton: 128 heads
 # 0.725 / 0.737 ms, 32 heads 0.812 / 0.918; at 16 heads (1x32768) the Mosaic forward alone is slower than the
-# Triton one (1.91 / 1.44 ms).
+# Triton one (1.91 / 1.44 ms). The same threshold for the reverse pass (`Config.mosaic_reverse`;
+# `bench_mosaic_reverse.py`, H100, 2026-11-26 23:57), Mosaic / Triton: 128 heads 0.237 / 0.416 ms, 32 heads
+# 0.431 / 0.690, 16 heads 1.631 / 1.570.
 MOSAIC_FORWARD_MIN_BATCH_HEADS = 32
 MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline by default (`Config.stages`)
 # Calls with at least this many value heads (B * Hv) run one CTA per head (`Config.warpgroups=2`). On the H100
@@ -122,6 +127,9 @@ class Config:
     # The chunk-parallel gradients under differentiation: "mosaic" (`mosaic_wy_grads`, one CTA per chunk and head)
     # or "triton" (`wy_chunk`'s "merged" kernel). Both read the start states, u and dx saved by the passes.
     grads: str = "mosaic"
+    # The reverse state pass under differentiation in Mosaic GPU (`_reverse_step`; with the Mosaic gradient kernel
+    # only); False: the Triton one (`wy_chunk._reverse_pass`).
+    mosaic_reverse: bool = True
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
@@ -147,12 +155,13 @@ def default_config(interpret=False, batch_heads=None):
         return Config(p_operand="smem")
     if batch_heads is None:
         return Config()
-    mosaic_forward = batch_heads >= MOSAIC_FORWARD_MIN_BATCH_HEADS
+    mosaic_passes = batch_heads >= MOSAIC_FORWARD_MIN_BATCH_HEADS
+    passes = dict(mosaic_forward=mosaic_passes, mosaic_reverse=mosaic_passes)
     if batch_heads >= SHARED_HEAD_MIN_BATCH_HEADS:
-        return Config(warpgroups=2, mosaic_forward=mosaic_forward)
+        return Config(warpgroups=2, **passes)
     if batch_heads * (HEAD_DIM // NARROW_BLOCK_V) <= SM_COUNT:
-        return Config(block_v=NARROW_BLOCK_V, mosaic_forward=mosaic_forward)
-    return Config(mosaic_forward=mosaic_forward)
+        return Config(block_v=NARROW_BLOCK_V, **passes)
+    return Config(**passes)
 
 
 def _swizzle(cfg):
@@ -199,7 +208,8 @@ def _split_product(a_hi, a_lo, b_hi, b_lo, m, n, separate, while_running=None):
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
     """One warpgroup's SMEM scratch: S_0 as bf16 hi (and lo), the operand tiles x and u as hi/lo (u None: u goes
-    through x, after x's product has completed), P as hi/lo (None: P from registers), the output tile."""
+    through x, after x's product has completed), P as hi/lo (None: P from registers), the output tile (the reverse
+    pass: the operand tile of its Q^T product)."""
     s_hi: object
     s_lo: object
     x_hi: object
@@ -211,13 +221,15 @@ class _Tiles:
     o_smem: object
 
 
-def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented, saved=None):
+def _forward_step(cfg, tiles, inputs, s, out_tiles, *, scale, segmented):
     """Equations (3)-(6) for one chunk and one state block S (K x BV, fp32 registers): writes the chunk's output
-    tile (through `tiles.o_smem` and a TMA to `o_tile`) and returns the next state. `inputs`: this chunk's SMEM refs
-    q, k (C x K), v (C x BV), T hi, T lo, then the vectors G hi, G lo, beta, carry exp(G), tail exp(G_C - G),
-    survive (K), G hi, G lo again and doc twice (rows and columns, see `_forward_body`). `saved`: None, or the GMEM
-    tiles (start state, u hi, u lo) where the chunk's start state (bf16) and u (as its bf16 hi/lo pair) go, copied
-    from the operand tiles by TMA."""
+    tile (through `tiles.o_smem` and a TMA) and returns the next state. `inputs`: this chunk's SMEM refs q, k
+    (C x K), v (C x BV), T hi, T lo, then the vectors G hi, G lo, beta, carry exp(G), tail exp(G_C - G), survive
+    (K), G hi, G lo again and doc twice (rows and columns, see `_pass_body`). `out_tiles`: the chunk's GMEM tiles,
+    the output, then (differentiated) where the chunk's start state (bf16) and u (as its bf16 hi/lo pair) go,
+    copied from the operand tiles by TMA."""
+    o_tile, *saved = out_tiles
+    saved = saved or None
     C, K, BV = CHUNK, HEAD_DIM, cfg.block_v
     q, k, v, t_hi, t_lo, g_hi, g_lo, beta, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c = inputs
     separate = cfg.lo_accumulators == "separate"
@@ -337,11 +349,93 @@ def _chunk_step(cfg, tiles, inputs, s, o_tile, *, scale, segmented, saved=None):
     return s_next
 
 
-def _in_specs(cfg, block_v):
-    """The pipeline's BlockSpecs, in `_chunk_step`'s order of inputs (v's block is C x block_v)."""
+def _reverse_step(cfg, tiles, inputs, ds, out_tiles, *, scale, segmented):
+    """The reverse pass (`wy_chunk._reverse_kernel`) for one chunk and one block dS (K x BV, fp32 registers) of the
+    cotangent of the chunk's end state; returns that of its start state. `inputs` as `_forward_step`'s, with dO in
+    place of v. With f = carry exp(G) and e = tail exp(G_C - G):
+
+        KD  = k @ dS,  P^T = (k @ q^T) (.) exp(G_t - G_s) [t >= s] (row s, column t)   2 x (64 x 64 x 128)
+        du  = scale P^T dO + e (.) KD                     P^T as hi/lo: 2 x (64 x 64 x 64)
+        dx  = T^T du                                      3 x (64 x 64 x 64)   (dL/d(beta y) of eq. (4))
+        dS_start = survive dS + scale [k^T (-beta f (.) dx / scale) + q^T (f (.) dO)]   3 x (128 x 64 x 64)
+
+    K dS reads dS rounded to bf16 (`Config.state_dots`) and q^T's operand f (.) dO is rounded to bf16 (exact where
+    f is 1), as in the Triton pass (`state_dots` "bf16"); the other fp32 operands enter split. `out_tiles`: the
+    GMEM tiles of the chunk's end-state cotangent (bf16) and of dx's bf16 hi and lo, copied from SMEM by TMA."""
+    C, K, BV = CHUNK, HEAD_DIM, cfg.block_v
+    q, k, do, t_hi, t_lo, g_hi, g_lo, beta, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c = inputs
+    dend_tile, dx_hi_tile, dx_lo_tile = out_tiles
+    separate = cfg.lo_accumulators == "separate"
+    split_state = cfg.state_dots == "split"
+    s_hi, s_lo, x_hi, x_lo, decayed_do = tiles.s_hi, tiles.s_lo, tiles.x_hi, tiles.x_lo, tiles.o_smem
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's copies have read dS's tile and dx's
+    if split_state:
+        mc.store_split(ds, s_hi, s_lo)
+    else:
+        mc.store_bf16(ds, s_hi)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(s_hi, dend_tile)  # bf16(dS) is its hi half in either state_dots mode
+
+    def key_products(kd_ref, kq_ref):
+        plgpu.wgmma(kd_ref, k, s_hi)
+        if split_state:
+            plgpu.wgmma(kd_ref, k, s_lo)
+        plgpu.wgmma(kq_ref, k, q.transpose((1, 0)))
+        return kd_ref[...], kq_ref[...]
+
+    kd, kq = pl.run_scoped(key_products, mc.acc(C, BV), mc.acc(C, C))
+    causal, _ = mc.chunk_masks(doc, doc_c, C, segmented, transposed=True)
+    p_t = mc.wgmma_layout(kq * mc.pair_decay(g_hi, g_lo, g_hi_c, g_lo_c, causal, C, transposed=True))
+    if tiles.p_hi is not None:  # the interpreter runs only SMEM operands of wgmma (see docs/mosaic.md)
+        mc.store_split(p_t, tiles.p_hi, tiles.p_lo)
+        plgpu.commit_smem()
+        p_parts = (tiles.p_hi, tiles.p_lo)
+    else:
+        p_parts = tuple(mc.wgmma_layout(x) for x in mc.split(p_t))
+    start_rows = mc.rows(from_start, BV)
+
+    def decay_do():  # q^T's operand f (.) dO, formed while P^T dO runs
+        decayed_do[...] = mc.wgmma_layout(
+            (start_rows * plgpu.load(do, layout=plgpu.Layout.WGMMA).astype(F32)).astype(BF16))
+
+    pdo, _ = _split_product(*p_parts, do, None, C, BV, separate, while_running=decay_do)
+    mc.store_split(scale * pdo + mc.rows(to_end, BV) * kd, x_hi, x_lo)  # du
+    plgpu.commit_smem()
+    dx = _split_product(t_hi.transpose((1, 0)), t_lo.transpose((1, 0)), x_hi, x_lo, C, BV, separate)
+    # dL/d(K S_0) of eq. (3) over scale, which multiplies the whole sum below.
+    dks = mc.wgmma_layout((-1.0 / scale) * (mc.rows(beta, BV) * start_rows) * dx)
+    if tiles.u_hi is not None:
+        mc.store_split(dx, tiles.u_hi, tiles.u_lo)
+        mc.store_split(dks, x_hi, x_lo)  # x is free: T^T du has completed
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(tiles.u_hi, dx_hi_tile)
+        plgpu.copy_smem_to_gmem(tiles.u_lo, dx_lo_tile)
+    else:  # one operand pair: dx through x to GMEM, then dks
+        mc.store_split(dx, x_hi, x_lo)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(x_hi, dx_hi_tile)
+        plgpu.copy_smem_to_gmem(x_lo, dx_lo_tile)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        mc.store_split(dks, x_hi, x_lo)
+        plgpu.commit_smem()
+
+    def start_cotangent(acc_ref):
+        plgpu.wgmma(acc_ref, k.transpose((1, 0)), x_hi)
+        plgpu.wgmma(acc_ref, k.transpose((1, 0)), x_lo)
+        plgpu.wgmma(acc_ref, q.transpose((1, 0)), decayed_do)
+        return acc_ref[...]
+
+    update = pl.run_scoped(start_cotangent, mc.acc(K, BV))
+    return mc.wgmma_layout(mc.rows(survive, BV) * ds + scale * update)
+
+
+def _in_specs(cfg, block_v, nt, reverse):
+    """The pipeline's BlockSpecs, in `_forward_step`'s order of inputs (v's block is C x block_v); with `reverse`
+    pipeline step n loads chunk nt - 1 - n."""
     C, K = CHUNK, HEAD_DIM
-    tiled = lambda shape: mc.tiled_spec(shape, lambda i: (i, 0), _swizzle(cfg))
-    vector = lambda n=C: plgpu.BlockSpec(block_shape=(n,), index_map=lambda i: (i,))
+    chunk = (lambda n: nt - 1 - n) if reverse else (lambda n: n)
+    tiled = lambda shape: mc.tiled_spec(shape, lambda n: (chunk(n), 0), _swizzle(cfg))
+    vector = lambda n=C: plgpu.BlockSpec(block_shape=(n,), index_map=lambda i: (chunk(i),))
     return [tiled((C, K)), tiled((C, K)), tiled((C, block_v)), tiled((C, C)), tiled((C, C)),
             vector(), vector(), vector(), vector(), vector(), vector(K), vector(), vector(), vector(), vector()]
 
@@ -353,104 +447,122 @@ def _pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b,
             vec_ref.at[4, bh], survive_ref.at[bh], vec_ref.at[0, bh], vec_ref.at[1, bh], doc_ref.at[b], doc_ref.at[b])
 
 
-def _saved_tiles(saved_refs, b, h, i, cols):
-    """The GMEM tiles of chunk i where `_chunk_step` saves the start state and u, or None (no saved outputs)."""
-    if not saved_refs:
-        return None
-    starts_ref, *u_refs = saved_refs
-    tokens = pl.ds(i * CHUNK, CHUNK)
-    return (starts_ref.at[b, h, pl.ds(i * HEAD_DIM, HEAD_DIM), cols], *(ref.at[b, tokens, h, cols] for ref in u_refs))
+def _chunk_tiles(out_refs, kinds, b, h, i, cols):
+    """The GMEM tiles of chunk i of the per-chunk outputs: C x BV of a "tokens" array (B, Tp, Hv, V), K x BV of a
+    "states" array (B, Hv, nt * K, V)."""
+    tile = dict(tokens=lambda ref: ref.at[b, pl.ds(i * CHUNK, CHUNK), h, cols],
+                states=lambda ref: ref.at[b, h, pl.ds(i * HEAD_DIM, HEAD_DIM), cols])
+    return [tile[kind](ref) for ref, kind in zip(out_refs, kinds, strict=True)]
 
 
-def _forward_body(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_ref, o_ref, final_ref, *refs,
-                  scale, nt, num_heads, segmented, cfg, with_states):
-    """One CTA of one warpgroup: value head bh = b * Hv + h, V block j. t_ref: T as bf16 (hi, lo) stacked on a
-    leading axis (2, B, Tp, Hv, C). vec_ref rows: G hi, G lo, beta, carry exp(G), tail exp(G_C - G) (each
-    (B*Hv, Tp)); doc_ref: the document index as fp32 (B, Tp); survive_ref: the chunk survival factor repeated K times
-    per chunk (B*Hv, nt*K). refs: with_states, the start states (B, Hv, nt*K, V) and u's bf16 hi and lo halves
-    (B, Tp, Hv, V); then the
-    scratch, `_Tiles`' fields in order, those in use.
+def _split_refs(refs, kinds):
+    """A pass kernel's refs: the seven GMEM inputs of `_pipeline_refs`, the state it starts from, the state it
+    ends with, the per-chunk outputs (`kinds`) and the scratch."""
+    n = 9 + len(kinds)
+    return refs[:7], refs[7], refs[8], refs[9:n], list(refs[n:])
+
+
+def _pass_body(*refs, step, kinds, reverse, nt, num_heads, cfg):
+    """One CTA of one warpgroup: value head bh = b * Hv + h, V block j; walks the chunks in order (`reverse`: last
+    first) with its state block in registers, s = step(tiles, inputs, s, out_tiles) per chunk. The GMEM inputs:
+    q, k (B, Tp, H, K); v (or dO) (B, Tp, Hv, V); T as bf16 (hi, lo) stacked on a leading axis
+    (2, B, Tp, Hv, C); the vector rows G hi, G lo, beta, carry exp(G), tail exp(G_C - G) (each (B*Hv, Tp)); the
+    document index as fp32 (B, Tp); the chunk survival factor repeated K times per chunk (B*Hv, nt*K).
 
     G and doc enter the pipeline twice, once for the rows and once for the columns of the C x C mask and decay:
     Mosaic GPU's layout inference finds no solution when one SMEM vector is loaded in both the row and the column
     layout (see docs/mosaic.md)."""
-    saved_refs, scratch = (refs[:3], refs[3:]) if with_states else ((), refs)
-    tiles = _unpack_tiles(cfg, list(scratch), two_pairs=True)
+    inputs, init_ref, last_ref, out_refs, scratch = _split_refs(refs, kinds)
+    tiles = _unpack_tiles(cfg, scratch, two_pairs=True, reverse=reverse)
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
     cols = pl.ds(j * cfg.block_v, cfg.block_v)
 
     # The state block goes between GMEM and registers directly (once per CTA, not worth SMEM and a TMA).
-    s0 = plgpu.load(h0_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+    s0 = plgpu.load(init_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
 
-    def chunk(indices, *inputs):
-        (i,) = indices
-        *inputs, s = inputs
-        o_tile = o_ref.at[b, pl.ds(i * CHUNK, CHUNK), h, cols]
-        return _chunk_step(cfg, tiles, inputs, s, o_tile, scale=scale, segmented=segmented,
-                           saved=_saved_tiles(saved_refs, b, h, i, cols))
+    def chunk(indices, *chunk_inputs):
+        (n,) = indices
+        *chunk_inputs, s = chunk_inputs
+        i = nt - 1 - n if reverse else n
+        return step(tiles, chunk_inputs, s, _chunk_tiles(out_refs, kinds, b, h, i, cols))
 
-    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(cfg, cfg.block_v),
+    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(cfg, cfg.block_v, nt, reverse),
                                    max_concurrent_steps=cfg.stages, init_carry=s0)
-    final = pipeline(*_pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b, h, bh, cols))
-    final_ref.at[b, h, :, cols][...] = final
+    last = pipeline(*_pipeline_refs(*inputs, b, h, bh, cols))
+    last_ref.at[b, h, :, cols][...] = last
     plgpu.wait_smem_to_gmem(0)
 
 
-def _forward_body_shared_head(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, h0_ref, o_ref, final_ref,
-                              *refs, scale, nt, num_heads, segmented, cfg, with_states):
-    """One CTA per value head: two consumer warpgroups, each with the state block of one half of V (BV = 64 of
-    128), and a producer warpgroup streaming the chunk inputs through TMA (`emit_pipeline_warp_specialized`).
-    q, k, T and the vectors are loaded once for both halves. Each consumer has its own scratch (a leading axis of
-    2 on every tile) with one operand pair x (to fit 227 KiB of SMEM), so u goes through x after T diag(beta) y."""
-    saved_refs, scratch = (refs[:3], refs[3:]) if with_states else ((), refs)
+def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, cfg):
+    """`_pass_body` with one CTA per value head: two consumer warpgroups, each with the state block of one half of
+    V (BV = 64 of 128), and a producer warpgroup streaming the chunk inputs through TMA
+    (`emit_pipeline_warp_specialized`). q, k, T and the vectors are loaded once for both halves. Each consumer has
+    its own scratch (a leading axis of 2 on every tile) with one operand pair x (to fit 227 KiB of SMEM)."""
+    inputs, init_ref, last_ref, out_refs, scratch = _split_refs(refs, kinds)
     wg = lax.axis_index("wg")
-    tiles = _unpack_tiles(cfg, [ref.at[wg] for ref in scratch], two_pairs=False)
+    tiles = _unpack_tiles(cfg, [ref.at[wg] for ref in scratch], two_pairs=False, reverse=reverse)
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
     cols = pl.ds(wg * cfg.block_v, cfg.block_v)
 
-    def chunk(indices, *inputs):
-        (i,) = indices
-        *inputs, s = inputs
-        inputs[2] = inputs[2].at[:, cols]  # this warpgroup's half of v
-        o_tile = o_ref.at[b, pl.ds(i * CHUNK, CHUNK), h, cols]
-        return _chunk_step(cfg, tiles, inputs, s, o_tile, scale=scale, segmented=segmented,
-                           saved=_saved_tiles(saved_refs, b, h, i, cols))
+    def chunk(indices, *chunk_inputs):
+        (n,) = indices
+        *chunk_inputs, s = chunk_inputs
+        chunk_inputs[2] = chunk_inputs[2].at[:, cols]  # this warpgroup's half of v (dO)
+        i = nt - 1 - n if reverse else n
+        return step(tiles, chunk_inputs, s, _chunk_tiles(out_refs, kinds, b, h, i, cols))
 
     def consumer(run_pipeline):
-        s0 = plgpu.load(h0_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
-        final_ref.at[b, h, :, cols][...] = run_pipeline(s0)
+        s0 = plgpu.load(init_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+        last_ref.at[b, h, :, cols][...] = run_pipeline(s0)
         plgpu.wait_smem_to_gmem(0)
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        chunk, grid=(nt,), in_specs=_in_specs(cfg, HEAD_DIM), max_concurrent_steps=cfg.stages,
+        chunk, grid=(nt,), in_specs=_in_specs(cfg, HEAD_DIM, nt, reverse), max_concurrent_steps=cfg.stages,
         memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=2, compute_context=consumer)
-    pipeline(*_pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b, h, bh, slice(None)))
+    pipeline(*_pipeline_refs(*inputs, b, h, bh, slice(None)))
 
 
-def _tile_shapes(cfg, two_pairs):
+def _tile_shapes(cfg, two_pairs, reverse):
     """`_Tiles`' fields in use, as (name, shape, tiled) in order."""
     C, K, BV = CHUNK, HEAD_DIM, cfg.block_v
     shapes = [("s_hi", (K, BV))] + ([("s_lo", (K, BV))] if cfg.state_dots == "split" else [])
     shapes += [("x_hi", (C, BV)), ("x_lo", (C, BV))]
     shapes += [("u_hi", (C, BV)), ("u_lo", (C, BV))] if two_pairs else []
     shapes += [("p_hi", (C, C)), ("p_lo", (C, C))] if cfg.p_operand == "smem" else []
-    return [(name, shape, True) for name, shape in shapes] + [("o_smem", (C, BV), False)]
+    # The forward's output tile leaves by TMA; the reverse pass's is a wgmma operand.
+    return [(name, shape, True) for name, shape in shapes] + [("o_smem", (C, BV), reverse)]
 
 
-def _unpack_tiles(cfg, scratch, two_pairs):
+def _unpack_tiles(cfg, scratch, two_pairs, reverse):
     fields = dict.fromkeys(f.name for f in dataclasses.fields(_Tiles))
-    for (name, _, _), ref in zip(_tile_shapes(cfg, two_pairs), scratch, strict=True):
+    for (name, _, _), ref in zip(_tile_shapes(cfg, two_pairs, reverse), scratch, strict=True):
         fields[name] = ref
     return _Tiles(**fields)
 
 
-def _scratch_types(cfg, dtype, two_pairs, copies=None):
-    lead = () if copies is None else (copies,)
-    return tuple(mc.tiled(lead + shape, _swizzle(cfg)) if tiled else plgpu.SMEM(lead + shape, dtype)
-                 for _, shape, tiled in _tile_shapes(cfg, two_pairs))
+def _pass_kernel(cfg, step, kinds, out_type, dtype, *, reverse, nt, batch, num_heads, interpret, name):
+    """The `plgpu.kernel` of a sequential pass (`_pass_body`, or `_pass_body_shared_head` with
+    `Config.warpgroups=2`) over `batch` rows of `num_heads` value heads. `out_type`: the state it ends with, then
+    the per-chunk outputs (`kinds`); `dtype`: that of the forward's output tile."""
+    body = dict(step=step, kinds=kinds, reverse=reverse, nt=nt, num_heads=num_heads, cfg=cfg)
+    interpret = plgpu.InterpretGPUParams() if interpret else False
+    batch_heads = batch * num_heads
+    shared = cfg.warpgroups == 2
+    lead = (2,) if shared else ()
+    scratch = tuple(mc.tiled(lead + shape, _swizzle(cfg)) if tiled else plgpu.SMEM(lead + shape, dtype)
+                    for _, shape, tiled in _tile_shapes(cfg, not shared, reverse))
+    if shared:
+        return plgpu.kernel(
+            functools.partial(_pass_body_shared_head, **body), out_type=out_type, scratch_types=scratch,
+            grid=(batch_heads,), grid_names=("head",), num_threads=3, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(), interpret=interpret, kernel_name=f"{name}_shared_head")
+    return plgpu.kernel(
+        functools.partial(_pass_body, **body), out_type=out_type, scratch_types=scratch,
+        grid=(HEAD_DIM // cfg.block_v, batch_heads), grid_names=("v_block", "head"),
+        compiler_params=plgpu.CompilerParams(), interpret=interpret, kernel_name=name)
 
 
 def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, segmented, interpret,
@@ -459,34 +571,40 @@ def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, seg
     (hi, lo) halves (two (B, Tp, H, V) arrays), the residuals of the backward."""
     B, Tp, H, K = q.shape
     V = v.shape[-1]
-    nt = Tp // CHUNK
-    common = dict(scale=scale, nt=nt, num_heads=H, segmented=segmented, cfg=cfg, with_states=with_states)
-    out_type = (jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32))
+    # The final state, then the per-chunk outputs (`_pass_body`'s order).
+    out_type = (jax.ShapeDtypeStruct((B, H, K, V), F32), jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype))
+    kinds = ("tokens",)
     if with_states:
-        out_type += (jax.ShapeDtypeStruct((B, H, nt * K, V), BF16),) + (jax.ShapeDtypeStruct((B, Tp, H, V), BF16),) * 2
-    interpret = plgpu.InterpretGPUParams() if interpret else False
-    if cfg.warpgroups == 2:
-        kernel = plgpu.kernel(
-            functools.partial(_forward_body_shared_head, **common), out_type=out_type,
-            scratch_types=_scratch_types(cfg, v.dtype, two_pairs=False, copies=2), grid=(B * H,),
-            grid_names=("head",), num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(),
-            interpret=interpret, kernel_name="wy_forward_mosaic_shared_head")
-    else:
-        kernel = plgpu.kernel(
-            functools.partial(_forward_body, **common), out_type=out_type,
-            scratch_types=_scratch_types(cfg, v.dtype, two_pairs=True), grid=(V // cfg.block_v, B * H),
-            grid_names=("v_block", "head"), compiler_params=plgpu.CompilerParams(), interpret=interpret,
-            kernel_name="wy_forward_mosaic")
-    return kernel(q, k, v, t_pair, vectors, doc, survive, h0)
+        out_type += (jax.ShapeDtypeStruct((B, H, Tp // CHUNK * K, V), BF16),
+                     *(jax.ShapeDtypeStruct((B, Tp, H, V), BF16),) * 2)
+        kinds += ("states", "tokens", "tokens")
+    step = functools.partial(_forward_step, cfg, scale=scale, segmented=segmented)
+    kernel = _pass_kernel(cfg, step, kinds, out_type, v.dtype, reverse=False, nt=Tp // CHUNK, batch=B, num_heads=H,
+                          interpret=interpret, name="wy_forward_mosaic")
+    final, o, *saved = kernel(q, k, v, t_pair, vectors, doc, survive, h0)
+    return (o, final, *saved)
+
+
+def _reverse_pass(cfg, q, k, do, t_pair, vectors, doc, survive, dfinal, *, scale, segmented, interpret):
+    """`wy_chunk._reverse_pass` with `dx_pair` in Mosaic GPU: (dL/d(initial state) (B, H, K, V) fp32, every
+    chunk's end-state cotangent (bf16, (B, H, nt*K, V)), dx's bf16 (hi, lo) halves (B, Tp, H, V) each). The
+    inputs are the forward pass's (`_pass_inputs`), dO (bf16) in place of v."""
+    B, Tp, H, K = q.shape
+    V = do.shape[-1]
+    out_type = (jax.ShapeDtypeStruct((B, H, K, V), F32), jax.ShapeDtypeStruct((B, H, Tp // CHUNK * K, V), BF16),
+                *(jax.ShapeDtypeStruct((B, Tp, H, V), BF16),) * 2)
+    step = functools.partial(_reverse_step, cfg, scale=scale, segmented=segmented)
+    kernel = _pass_kernel(cfg, step, ("states", "tokens", "tokens"), out_type, do.dtype, reverse=True,
+                          nt=Tp // CHUNK, batch=B, num_heads=H, interpret=interpret, name="wy_reverse_mosaic")
+    dh0, dends, dx_hi, dx_lo = kernel(q, k, do, t_pair, vectors, doc, survive, dfinal)
+    return dh0, dends, (dx_hi, dx_lo)
 
 
 def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segmented, interpret, g=None, t_pair=None):
     """The chunk-parallel parts before the pass, in XLA and Triton: T as a bf16 pair (2, B, Tp, H, C), the
     per-token vectors (5, B*H, Tp), the document index as fp32 and the survival factors (B*H, nt*K). `g` (the
     in-chunk gates [hi, lo]) and `t_pair`, when given, are used as they are."""
-    B, Tp, H, K = q.shape
-    nt, C = Tp // CHUNK, CHUNK
-    tcfg = wy_chunk.default_config(q, q, scale=scale, chunk_size=C, delta=True, segmented=segmented,
+    tcfg = wy_chunk.default_config(q, q, scale=scale, chunk_size=CHUNK, delta=True, segmented=segmented,
                                    interpret=interpret)
     if g is None:
         g = wy_chunk._in_chunk_cumsum(tcfg, log_decay)  # [hi, lo] x (B, Tp, H)
@@ -495,12 +613,19 @@ def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segment
     elif t_pair is None:
         # Split in XLA: the plain x - f32(bf16(x)) is folded to 0 on the GPU (`common.split_bf16_in_xla`).
         t_pair = jnp.stack(split_bf16_in_xla(wy_chunk._inverse(tcfg, k, beta, g, doc)))
+    return (t_pair, *_pass_vectors(g, beta, doc, carry, tail))
 
-    vectors = mosaic_wy_grads.token_vectors(g, beta, carry, tail)  # (5, B*H, Tp)
+
+def _pass_vectors(g, beta, doc, carry, tail):
+    """The per-token vectors of the passes (5, B*H, Tp), the document index as fp32 and the chunk survival factors
+    repeated K times (B*H, nt*K)."""
+    B, Tp, H = beta.shape
+    nt, C, K = Tp // CHUNK, CHUNK, HEAD_DIM
+    vectors = mosaic_wy_grads.token_vectors(g, beta, carry, tail)
     hi, lo = (x.reshape(B, nt, C, H) for x in g)
     survive = carry.reshape(B, nt, C, 1)[:, :, -1] * jnp.exp(hi[:, :, -1] + lo[:, :, -1])  # (B, nt, H)
     survive = jnp.broadcast_to(jnp.moveaxis(survive, 2, 1)[..., None], (B, H, nt, K)).reshape(B * H, nt * K)
-    return t_pair, vectors, doc.astype(F32), survive
+    return vectors, doc.astype(F32), survive
 
 
 def _prepare_and_run(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, *, scale, segmented, interpret):
@@ -539,7 +664,7 @@ def _wy_mosaic_fwd(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
         return wy_chunk._wy_fwd(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0,
                                 u_pair=_mosaic_grads_apply(cfg, tcfg))
     g = wy_chunk._gate_input(tcfg, log_decay)
-    reverse_fp32 = tcfg.reverse_inverse_storage != "split"
+    reverse_fp32 = not _mosaic_reverse_applies(cfg, tcfg) and tcfg.reverse_inverse_storage != "split"
     written = wy_chunk._inverse(tcfg, k, beta, g, doc, pair=True, fp32=reverse_fp32)
     t_fp32, t_pair = written if reverse_fp32 else (None, written)
     inputs = _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, scale=scale, segmented=segmented,
@@ -556,9 +681,15 @@ def _mosaic_grads_apply(cfg, tcfg):
     return cfg.grads == "mosaic" and wy_chunk._saves_u_dx(tcfg) and tcfg.state_storage == "bf16"
 
 
+def _mosaic_reverse_applies(cfg, tcfg):
+    """Whether the reverse pass is the Mosaic one (`Config.mosaic_reverse`): it writes what the Mosaic gradient
+    kernel reads (bf16 end-state cotangents, dx as its pair)."""
+    return cfg.mosaic_reverse and _mosaic_grads_apply(cfg, tcfg)
+
+
 def _wy_mosaic_bwd(static, residuals, cotangents):
-    """The Triton reverse pass, then the chunk-parallel gradients in Mosaic GPU (`_mosaic_grads_apply`), or the
-    whole Triton backward."""
+    """The reverse pass (Mosaic's or Triton's, `_mosaic_reverse_applies`), then the chunk-parallel gradients in
+    Mosaic GPU (`_mosaic_grads_apply`), or the whole Triton backward."""
     cfg, tcfg, scale, segmented, interpret = static
     q, k, v, beta, g, doc, carry, tail, t, _, starts, (u,) = residuals
     if not _mosaic_grads_apply(cfg, tcfg):
@@ -567,8 +698,14 @@ def _wy_mosaic_bwd(static, residuals, cotangents):
         return wy_chunk._wy_bwd(tcfg, residuals, cotangents)
     do, dfinal = cotangents
     do = do.astype(v.dtype)
-    dh0, dends, *dx = wy_chunk._reverse_pass(tcfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32),
-                                             dx_pair=True)
+    if _mosaic_reverse_applies(cfg, tcfg):
+        # T as its bf16 pair (2, B, Tp, H, C): the Mosaic forward's, or the Triton forward's fp32 T split here.
+        t_pair = t if t.ndim == 5 else jnp.stack(split_bf16_in_xla(t))
+        dh0, dends, dx = _reverse_pass(cfg, q, k, do, t_pair, *_pass_vectors(g, beta, doc, carry, tail),
+                                       dfinal.astype(F32), scale=scale, segmented=segmented, interpret=interpret)
+    else:
+        dh0, dends, *dx = wy_chunk._reverse_pass(tcfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32),
+                                                 dx_pair=True)
     dq, dk, dv, dbeta, dlog = mosaic_wy_grads.grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx,
                                                     scale=scale, segmented=segmented, interpret=interpret)
     return dq, dk, dv, dbeta.astype(beta.dtype), dlog, None, None, None, dh0
@@ -612,7 +749,8 @@ def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_i
     `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K = V = 128, Hv == H, scalar or no decay, any T, optional
     initial state and segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
     kernel in the Mosaic GPU interpreter; `config`: a `Config` (default `default_config()`). Differentiated: the
-    Triton reverse pass, then the gradient kernel in Mosaic GPU (`Config.grads`)."""
+    reverse pass (Mosaic GPU's from 32 value heads per call on, `Config.mosaic_reverse`), then the gradient kernel
+    in Mosaic GPU (`Config.grads`)."""
     _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

@@ -195,15 +195,16 @@ def _grads(fn, x):
 
 
 @pytest.mark.parametrize("packed,config", [(False, "default"), (True, "default"), (True, "shared_head"),
-                                           (True, "triton_forward")])
+                                           (True, "triton_forward"), (True, "triton_reverse")])
 def test_gradients_match_scan_in_interpreter(packed, config):
-    """Differentiated, the Mosaic pass also writes the start states and u and the Triton backward runs (in Pallas's
-    interpreter here; "triton_forward": the Triton forward pass instead): every gradient against the fp32 scan's,
-    T not a multiple of the chunk, beta up to 2, initial state."""
+    """Differentiated, the Mosaic pass also writes the start states and u, then the Mosaic reverse pass and the
+    Mosaic gradient kernel run (interpreted here; "triton_forward" / "triton_reverse": the Triton pass instead):
+    every gradient against the fp32 scan's, T not a multiple of the chunk, beta up to 2, initial state."""
     x = _bf16_inputs(fresh_key(), B=1, T=100, H=2, beta_max=2.0, packed=packed, with_initial_state=True)
     reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
-    cfg = (dataclasses.replace(_INTERPRETED, mosaic_forward=False) if config == "triton_forward"
-           else INTERPRETED_CONFIGS[config])
+    cfg = {"triton_forward": dataclasses.replace(_INTERPRETED, mosaic_forward=False),
+           "triton_reverse": dataclasses.replace(_INTERPRETED, mosaic_reverse=False)}.get(config)
+    cfg = cfg or INTERPRETED_CONFIGS[config]
     grads = _grads(functools.partial(chunk_wy_mosaic, config=cfg), x)
     grads_ref = _grads(recurrent_scan, reference)
     for name, tol in GRAD_TOLS.items():
@@ -283,11 +284,11 @@ def test_default_config_shares_heads_from_the_threshold():
     assert mosaic_wy.default_config(batch_heads=mosaic_wy.SM_COUNT // 4).block_v == 32
     assert mosaic_wy.default_config(batch_heads=mosaic_wy.SM_COUNT // 4 + 1).block_v == 64
     assert mosaic_wy.default_config().block_v == 64
-    # The Mosaic forward pass from MOSAIC_FORWARD_MIN_BATCH_HEADS heads on, the Triton one below.
+    # The Mosaic forward and reverse passes from MOSAIC_FORWARD_MIN_BATCH_HEADS heads on, the Triton ones below.
     enough = mosaic_wy.MOSAIC_FORWARD_MIN_BATCH_HEADS
-    assert mosaic_wy.default_config(batch_heads=enough).mosaic_forward
-    assert not mosaic_wy.default_config(batch_heads=enough - 1).mosaic_forward
-    assert mosaic_wy.default_config(batch_heads=threshold).mosaic_forward
+    for heads, mosaic in ((enough, True), (enough - 1, False), (threshold, True)):
+        cfg = mosaic_wy.default_config(batch_heads=heads)
+        assert cfg.mosaic_forward == cfg.mosaic_reverse == mosaic, (heads, cfg)
     assert mosaic_wy.default_config(interpret=True, batch_heads=threshold).p_operand == "smem"
 
 
@@ -371,13 +372,15 @@ def test_lowers_for_cuda(segmented, init, config):
 
 
 @pytest.mark.parametrize("config", ["default", "shared_head", "block_v32", "state_split", "triton_forward",
-                                    "triton_grads"])
+                                    "triton_reverse", "triton_grads"])
 def test_gradient_lowers_for_cuda(config):
     """jax.grad of the call lowered for an abstract H100: the Mosaic pass (with its saved outputs) runs once, in the
-    forward, unless `mosaic_forward` is off (then the Triton forward pass runs instead), and the Mosaic gradient
-    kernel once after the Triton reverse pass, unless `grads="triton"`."""
+    forward, unless `mosaic_forward` is off (then the Triton forward pass runs instead); the Mosaic reverse pass
+    (unless `mosaic_reverse` is off or the gradients are Triton's) and the Mosaic gradient kernel (unless
+    `grads="triton"`) once each."""
     B, T, H = 1, 130, 2
     cfg = {"triton_forward": dataclasses.replace(_COMPILED, mosaic_forward=False),
+           "triton_reverse": dataclasses.replace(_COMPILED, mosaic_reverse=False),
            "triton_grads": dataclasses.replace(_COMPILED, grads="triton")}.get(config) or GPU_CONFIGS.get(config)
     q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
     gate = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
@@ -392,9 +395,10 @@ def test_gradient_lowers_for_cuda(config):
     with jax.sharding.use_abstract_mesh(H100):
         text = fn.trace(q, q, q, gate, gate, h0).lower(lowering_platforms=("cuda",)).as_text()
     mosaic_grads = config != "triton_grads"
-    assert text.count("custom_call @mosaic_gpu_v2") == (config != "triton_forward") + mosaic_grads
+    mosaic_reverse = mosaic_grads and config != "triton_reverse"
+    assert text.count("custom_call @mosaic_gpu_v2") == (config != "triton_forward") + mosaic_reverse + mosaic_grads
     triton_kernels = set(re.findall(r'name = "(wy_[a-z_]+)"', text))
-    assert {"wy_inverse", "wy_reverse"} <= triton_kernels
+    assert "wy_inverse" in triton_kernels and ("wy_reverse" in triton_kernels) != mosaic_reverse, triton_kernels
     assert ("wy_grads_merged" in triton_kernels) != mosaic_grads, triton_kernels
     # The Triton forward pass ("wy_forward", or "wy_states" and "wy_output" where its output is split off).
     assert bool(triton_kernels & {"wy_forward", "wy_states"}) == (config == "triton_forward"), triton_kernels
@@ -428,15 +432,16 @@ def test_gpu_public_api_with_impl_mosaic():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", ["block_v32", "shared_head", "block_v64", "triton_forward"])
+@pytest.mark.parametrize("config", ["block_v32", "shared_head", "block_v64", "triton_forward", "triton_reverse"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_gpu_gradients_match_scan(packed, config):
-    """Compiled: the gradients (the Mosaic pass saving the start states and u, then the Triton backward; or the
-    Triton forward pass) against the fp32 scan's."""
+    """Compiled: the gradients (the Mosaic pass saving the start states and u, the Mosaic reverse pass and gradient
+    kernel; or the Triton forward or reverse pass in their place) against the fp32 scan's."""
     x = _bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=packed, with_initial_state=True)
     reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
     cfg = {"block_v32": GPU_CONFIGS["block_v32"], "shared_head": GPU_CONFIGS["shared_head"], "block_v64": _COMPILED,
-           "triton_forward": dataclasses.replace(_COMPILED, mosaic_forward=False)}[config]
+           "triton_forward": dataclasses.replace(_COMPILED, mosaic_forward=False),
+           "triton_reverse": dataclasses.replace(_COMPILED, mosaic_reverse=False)}[config]
     grads = _grads(functools.partial(chunk_wy_mosaic, config=cfg), x)
     grads_ref = _grads(recurrent_scan, reference)
     for name, tol in GRAD_TOLS.items():

@@ -25,6 +25,7 @@ from deltajax.kernels.gpu import mosaic_wy
 from deltajax.rules.scan import recurrent_scan
 import _timing as timing  # experiments/
 from _kernel_inputs import kernel_inputs  # experiments/
+from _mosaic_calls import training_step_cells  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (D must be 128).")
@@ -34,6 +35,7 @@ flags.DEFINE_string("error_size", "", "BxTxHxD where each variant's error agains
 flags.DEFINE_bool("triton", True, "Also time the Triton forward on the same inputs.")
 flags.DEFINE_bool("residuals", False, "Also time the forward as differentiation runs it (`jax.vjp`: the outputs and "
                   "the residuals of the backward), for the variant and for the Triton path.")
+flags.DEFINE_bool("fwd_bwd", False, "Also time forward+backward (the gradients of sum(o) + sum(final state)).")
 
 # Each variant overrides fields of `mosaic_wy.default_config(batch_heads=B * H)`.
 VARIANTS = {
@@ -58,6 +60,7 @@ VARIANTS = {
     "block_v16_stages3": dict(warpgroups=1, block_v=16, stages=3),
     "block_v16_stages4": dict(warpgroups=1, block_v=16, stages=4),
     "triton_forward": dict(mosaic_forward=False),  # the Triton forward pass instead
+    "xla_vectors": dict(vectors="xla"),  # the gates' cumsums and per-token vectors in XLA (until 2026-11-27)
     # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).
     "previous": dict(state_dots="split", p_operand="smem", inverse_pair="xla", p_during_u=False, warpgroups=1,
                      query_state_late=False),
@@ -111,6 +114,8 @@ def main(argv):
     header = ["size", "variant", "pass inputs", "mosaic pass", "mosaic fwd", "triton fwd"]
     if FLAGS.residuals:
         header += ["mosaic fwd with residuals", "triton fwd with residuals"]
+    if FLAGS.fwd_bwd:
+        header.append("mosaic fwd+bwd")
     if FLAGS.error_size:
         header.append(f"rel. error o, state ({FLAGS.error_size})")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
@@ -136,6 +141,8 @@ def main(argv):
                     call = lambda *a: mosaic_wy.chunk_wy_mosaic(*a, scale=D ** -0.5, initial_state=None,
                                                                 segment_ids=None, config=cfg)
                     row += [f"{ms(with_residuals(call), q, k, v, beta, log_decay):.3f}", triton_residuals]
+                if FLAGS.fwd_bwd:
+                    row += training_step_cells(ms, [cfg], D, (q, k, v, beta, log_decay))
                 if FLAGS.error_size:
                     row.append(errors(cfg))
             except Exception as e:  # a variant that fails to lower or run is reported, not fatal

@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deltajax.kernels.gpu import mosaic_common as mc
+from deltajax.kernels.gpu import mosaic_vectors
 from deltajax.kernels.gpu import mosaic_wy_grads
 from deltajax.kernels.gpu import wy_chunk
 from deltajax.kernels.gpu.common import split_bf16_in_xla
@@ -96,6 +97,9 @@ INVERSE_PAIRS = ("kernel", "xla")
 # interpreter runs) or "registers" (no SMEM round trip; lowered and run on the GPU only).
 P_OPERANDS = ("smem", "registers")
 GRADS = ("mosaic", "triton")
+# Where the gates' cumsums and the per-token vectors around the kernels are formed: "kernel", one Triton kernel
+# before the passes and one after the gradient kernel (`mosaic_vectors`); "xla", XLA (~14 small fusions each side).
+VECTORS = ("kernel", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,11 +134,14 @@ class Config:
     # The reverse state pass under differentiation in Mosaic GPU (`_reverse_step`; with the Mosaic gradient kernel
     # only); False: the Triton one (`wy_chunk._reverse_pass`).
     mosaic_reverse: bool = True
+    # The gates' cumsums and the per-token vectors: one Triton kernel on each side of the call ("kernel") or XLA.
+    vectors: str = "kernel"
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
                               ("inverse_pair", INVERSE_PAIRS), ("p_operand", P_OPERANDS), ("warpgroups", (1, 2)),
-                              ("block_v", BLOCK_VS), ("stages", (1, 2, 3, 4)), ("grads", GRADS)):
+                              ("block_v", BLOCK_VS), ("stages", (1, 2, 3, 4)), ("grads", GRADS),
+                              ("vectors", VECTORS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.warpgroups == 2 and self.state_dots != "bf16":
@@ -600,25 +607,49 @@ def _reverse_pass(cfg, q, k, do, t_pair, vectors, doc, survive, dfinal, *, scale
     return dh0, dends, (dx_hi, dx_lo)
 
 
-def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segmented, interpret, g=None, t_pair=None):
-    """The chunk-parallel parts before the pass, in XLA and Triton: T as a bf16 pair (2, B, Tp, H, C), the
-    per-token vectors (5, B*H, Tp), the document index as fp32 and the survival factors (B*H, nt*K). `g` (the
-    in-chunk gates [hi, lo]) and `t_pair`, when given, are used as they are."""
-    tcfg = wy_chunk.default_config(q, q, scale=scale, chunk_size=CHUNK, delta=True, segmented=segmented,
+def _triton_config(q, *, scale, segmented, interpret):
+    return wy_chunk.default_config(q, q, scale=scale, chunk_size=CHUNK, delta=True, segmented=segmented,
                                    interpret=interpret)
-    if g is None:
-        g = wy_chunk._in_chunk_cumsum(tcfg, log_decay)  # [hi, lo] x (B, Tp, H)
-    if t_pair is None and cfg.inverse_pair == "kernel":
-        t_pair = wy_chunk._inverse(tcfg, k, beta, g, doc, pair=True, fp32=False)  # (2, B, Tp, H, C) bf16
-    elif t_pair is None:
+
+
+def _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, *, segmented, interpret):
+    """The in-chunk gates g = [hi, lo] (2, B, Tp, H) and the passes' per-token inputs: (g, vectors, the document
+    index as fp32 (B, Tp), the survival factors (B*H, nt*K)). `Config.vectors` "kernel": one Triton kernel
+    (`mosaic_vectors.prologue`; the vectors' 6 rows are the gradient kernel's too); "xla": XLA (5 rows)."""
+    if cfg.vectors == "kernel":
+        g, vectors, survive, doc_f = mosaic_vectors.prologue(log_decay, beta, doc, carry, tail, segmented=segmented,
+                                                             state_dim=HEAD_DIM, interpret=interpret)
+        return g, vectors, doc_f, survive
+    g = wy_chunk._gate_input(tcfg, log_decay)
+    return (g, *_pass_vectors(g, beta, doc, carry, tail))
+
+
+def _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, *, segmented, interpret, reverse_fp32=False):
+    """The chunk-parallel parts before the pass, in Triton (and XLA): (g, fp32 T where `reverse_fp32` asks for it
+    else None, the pass's inputs (T as a bf16 pair (2, B, Tp, H, C), vectors, doc, survive))."""
+    g, vectors, doc_f, survive = _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, segmented=segmented,
+                                                interpret=interpret)
+    if cfg.inverse_pair == "kernel":
+        written = wy_chunk._inverse(tcfg, k, beta, g, doc, pair=True, fp32=reverse_fp32)
+        t_fp32, t_pair = written if reverse_fp32 else (None, written)
+    else:
         # Split in XLA: the plain x - f32(bf16(x)) is folded to 0 on the GPU (`common.split_bf16_in_xla`).
-        t_pair = jnp.stack(split_bf16_in_xla(wy_chunk._inverse(tcfg, k, beta, g, doc)))
-    return (t_pair, *_pass_vectors(g, beta, doc, carry, tail))
+        t_fp32 = wy_chunk._inverse(tcfg, k, beta, g, doc)
+        t_pair = jnp.stack(split_bf16_in_xla(t_fp32))
+        t_fp32 = t_fp32 if reverse_fp32 else None
+    return g, t_fp32, (t_pair, vectors, doc_f, survive)
+
+
+def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segmented, interpret):
+    """The forward pass's inputs after q, k, v: T's bf16 pair, the vectors, the document index and the survival
+    factors (`_prologue`)."""
+    tcfg = _triton_config(q, scale=scale, segmented=segmented, interpret=interpret)
+    return _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, segmented=segmented, interpret=interpret)[2]
 
 
 def _pass_vectors(g, beta, doc, carry, tail):
     """The per-token vectors of the passes (5, B*H, Tp), the document index as fp32 and the chunk survival factors
-    repeated K times (B*H, nt*K)."""
+    repeated K times (B*H, nt*K), in XLA (`Config.vectors="xla"`)."""
     B, Tp, H = beta.shape
     nt, C, K = Tp // CHUNK, CHUNK, HEAD_DIM
     vectors = mosaic_wy_grads.token_vectors(g, beta, carry, tail)
@@ -628,23 +659,21 @@ def _pass_vectors(g, beta, doc, carry, tail):
     return vectors, doc.astype(F32), survive
 
 
-def _prepare_and_run(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, *, scale, segmented, interpret):
-    """Padded inputs -> (o, final state). The chunk-parallel parts in XLA and Triton, the sequential pass in
-    Mosaic GPU."""
-    inputs = _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, scale=scale, segmented=segmented,
-                          interpret=interpret)
-    return _forward_pass(cfg, q, k, v, *inputs, h0, scale=scale, segmented=segmented, interpret=interpret)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _wy_mosaic(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
     """The forward, its sequential pass in Mosaic GPU (or Triton's: `Config.mosaic_forward`). Differentiated (the
     arguments are those of `wy_chunk._wy`), see `_wy_mosaic_fwd` and `_wy_mosaic_bwd`."""
     cfg, tcfg, scale, segmented, interpret = static
-    if not cfg.mosaic_forward:
+    if not cfg.mosaic_forward and cfg.vectors != "kernel":
         return wy_chunk._wy(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0)
-    return _prepare_and_run(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, scale=scale, segmented=segmented,
-                            interpret=interpret)
+    if not cfg.mosaic_forward:  # `wy_chunk._wy`'s forward on the kernel's gates
+        g, *_ = _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, segmented=segmented,
+                               interpret=interpret)
+        t = wy_chunk._inverses(tcfg, k, beta, g, doc)
+        return wy_chunk._forward_pass(tcfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=False)
+    *_, inputs = _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, segmented=segmented,
+                           interpret=interpret)
+    return _forward_pass(cfg, q, k, v, *inputs, h0, scale=scale, segmented=segmented, interpret=interpret)
 
 
 def _saves_triton_residuals(cfg, tcfg):
@@ -661,18 +690,23 @@ def _wy_mosaic_fwd(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
     written once, for the Mosaic pass and the reverse pass (fp32 T too where the reverse pass reads that)."""
     cfg, tcfg, scale, segmented, interpret = static
     if not _saves_triton_residuals(cfg, tcfg):
-        return wy_chunk._wy_fwd(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0,
-                                u_pair=_mosaic_grads_apply(cfg, tcfg))
-    g = wy_chunk._gate_input(tcfg, log_decay)
+        if cfg.vectors != "kernel":
+            return wy_chunk._wy_fwd(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0,
+                                    u_pair=_mosaic_grads_apply(cfg, tcfg))
+        # The Triton forward on the kernel's gates; its vectors kept for the backward.
+        g, *made = _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, segmented=segmented,
+                                  interpret=interpret)
+        out, residuals = wy_chunk._wy_fwd(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0,
+                                          u_pair=_mosaic_grads_apply(cfg, tcfg), g=g)
+        return out, (*residuals, tuple(made))
     reverse_fp32 = not _mosaic_reverse_applies(cfg, tcfg) and tcfg.reverse_inverse_storage != "split"
-    written = wy_chunk._inverse(tcfg, k, beta, g, doc, pair=True, fp32=reverse_fp32)
-    t_fp32, t_pair = written if reverse_fp32 else (None, written)
-    inputs = _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, scale=scale, segmented=segmented,
-                          interpret=interpret, g=g, t_pair=t_pair)
+    g, t_fp32, inputs = _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, segmented=segmented,
+                                  interpret=interpret, reverse_fp32=reverse_fp32)
     o, final, starts, u_hi, u_lo = _forward_pass(cfg, q, k, v, *inputs, h0, scale=scale, segmented=segmented,
                                                  interpret=interpret, with_states=True)
-    t_reverse = t_fp32 if reverse_fp32 else t_pair
-    return (o, final), (q, k, v, beta, g, doc, carry, tail, t_reverse, None, starts, [(u_hi, u_lo)])
+    t_reverse = t_fp32 if reverse_fp32 else inputs[0]
+    # The vectors, document index and survival factors made once, for the backward's kernels too.
+    return (o, final), (q, k, v, beta, g, doc, carry, tail, t_reverse, None, starts, [(u_hi, u_lo)], inputs[1:])
 
 
 def _mosaic_grads_apply(cfg, tcfg):
@@ -691,23 +725,28 @@ def _wy_mosaic_bwd(static, residuals, cotangents):
     """The reverse pass (Mosaic's or Triton's, `_mosaic_reverse_applies`), then the chunk-parallel gradients in
     Mosaic GPU (`_mosaic_grads_apply`), or the whole Triton backward."""
     cfg, tcfg, scale, segmented, interpret = static
-    q, k, v, beta, g, doc, carry, tail, t, _, starts, (u,) = residuals
+    q, k, v, beta, g, doc, carry, tail, t, _, starts, (u,), *made = residuals
     if not _mosaic_grads_apply(cfg, tcfg):
-        if isinstance(u, tuple):  # u's pair from the Mosaic pass; the Triton gradient kernel reads fp32 u
-            residuals = residuals[:11] + ([u[0].astype(F32) + u[1].astype(F32)],)
-        return wy_chunk._wy_bwd(tcfg, residuals, cotangents)
+        # u's pair from the Mosaic pass summed: the Triton gradient kernel reads fp32 u.
+        u = [u[0].astype(F32) + u[1].astype(F32)] if isinstance(u, tuple) else [u]
+        return wy_chunk._wy_bwd(tcfg, tuple(residuals[:11]) + (u,), cotangents)
+    # The forward's vectors (the kernel's 6 rows with `Config.vectors="kernel"`, or the Mosaic pass's XLA 5), or
+    # made here in XLA (5 rows, and the gradient kernel's 6 in `grads`).
+    vectors, doc_f, survive = made[0] if made else _pass_vectors(g, beta, doc, carry, tail)
+    with_kernel = cfg.vectors == "kernel" and bool(made)
     do, dfinal = cotangents
     do = do.astype(v.dtype)
     if _mosaic_reverse_applies(cfg, tcfg):
         # T as its bf16 pair (2, B, Tp, H, C): the Mosaic forward's, or the Triton forward's fp32 T split here.
         t_pair = t if t.ndim == 5 else jnp.stack(split_bf16_in_xla(t))
-        dh0, dends, dx = _reverse_pass(cfg, q, k, do, t_pair, *_pass_vectors(g, beta, doc, carry, tail),
-                                       dfinal.astype(F32), scale=scale, segmented=segmented, interpret=interpret)
+        dh0, dends, dx = _reverse_pass(cfg, q, k, do, t_pair, vectors, doc_f, survive, dfinal.astype(F32),
+                                       scale=scale, segmented=segmented, interpret=interpret)
     else:
         dh0, dends, *dx = wy_chunk._reverse_pass(tcfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32),
                                                  dx_pair=True)
-    dq, dk, dv, dbeta, dlog = mosaic_wy_grads.grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx,
-                                                    scale=scale, segmented=segmented, interpret=interpret)
+    dq, dk, dv, dbeta, dlog = mosaic_wy_grads.grads(
+        q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, scale=scale, segmented=segmented,
+        interpret=interpret, vectors=vectors if with_kernel else None, survive=survive if with_kernel else None)
     return dq, dk, dv, dbeta.astype(beta.dtype), dlog, None, None, None, dh0
 
 

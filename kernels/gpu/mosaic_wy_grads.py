@@ -62,6 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deltajax.kernels.gpu import mosaic_common as mc
+from deltajax.kernels.gpu import mosaic_vectors
 from deltajax.kernels.gpu.common import split_bf16_in_xla
 
 F32, BF16 = mc.F32, mc.BF16
@@ -299,15 +300,19 @@ def as_pair(x):
     return tuple(x) if isinstance(x, (tuple, list)) else split_bf16_in_xla(x)
 
 
-def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale, segmented, interpret):
+def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale, segmented, interpret, vectors=None,
+          survive=None):
     """(dq, dk, dv, dbeta, d(log_decay)) of every chunk, as `wy_chunk._grads` returns them for "merged": padded
     inputs (Tp a multiple of 64), g = [hi, lo] in-chunk gates, starts / dends (B, H, nt*K, V) bf16, do bf16, u and
-    dx each as its bf16 (hi, lo) halves (B, Tp, H, V) (fp32 arrays are split in XLA, `as_pair`)."""
+    dx each as its bf16 (hi, lo) halves (B, Tp, H, V) (fp32 arrays are split in XLA, `as_pair`). `vectors`: the
+    kernel's `token_vectors` (6, B*H, Tp) where made already (`mosaic_vectors.prologue`); `survive`: that
+    prologue's survival factors (B*H, nt*K), which send the warpgroups' shares to `mosaic_vectors.epilogue` for
+    dbeta and d(log_decay) instead of XLA."""
     u, dx = as_pair(u), as_pair(dx)
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     nt = Tp // CHUNK
-    vectors = token_vectors(g, beta, carry, tail, doc)
+    vectors = token_vectors(g, beta, carry, tail, doc) if vectors is None else vectors
     bh_vector = jax.ShapeDtypeStruct((2, B * H, Tp), F32)  # one share per warpgroup
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
                 jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), bh_vector, bh_vector, bh_vector,
@@ -325,6 +330,9 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
         interpret=plgpu.InterpretGPUParams() if interpret else False,
         kernel_name="wy_grads_mosaic")
     dq, dk, dv, *shares = kernel(q, k, v, do, *u, *dx, starts, dends, vectors)
+    if survive is not None:
+        dbeta, dlog = mosaic_vectors.epilogue(*shares, survive, num_heads=H, interpret=interpret)
+        return dq, dk, dv, dbeta, dlog
     dbeta, dgate, end, survive_rows = (x[0] + x[1] for x in shares)
     heads_last = lambda x: jnp.moveaxis(x.reshape(B, H, Tp), 1, 2)
     dlog = _dlog(heads_last(dgate), heads_last(end), survive_rows.reshape(B, H, nt, K).sum(-1), g, carry)

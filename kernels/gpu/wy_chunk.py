@@ -1275,10 +1275,11 @@ def _wy(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     return _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=False)
 
 
-def _wy_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, *, u_pair=False):
+def _wy_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, *, u_pair=False, g=None):
     """The forward rule of `_wy`; `u_pair`: u saved as its bf16 (hi, lo) halves (a tuple), for the Mosaic GPU
-    gradient kernel (`mosaic_wy`), which reads them as its wgmma operands."""
-    g = _gate_input(cfg, log_decay)
+    gradient kernel (`mosaic_wy`), which reads them as its wgmma operands; `g`: the in-chunk gates [hi, lo] where
+    the caller made them (`mosaic_vectors`), else `_gate_input`'s."""
+    g = _gate_input(cfg, log_decay) if g is None else g
     t_forward, t, t_grads = _inverses(cfg, k, beta, g, doc, for_grads=True)
     o, final, starts, *u = _forward_pass(cfg, q, k, v, beta, t_forward, g, doc, carry, tail, h0, with_states=True,
                                          u_pair=u_pair)

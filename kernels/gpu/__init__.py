@@ -13,7 +13,7 @@ chunk size 64, at most `MAX_BATCH_HEADS` batch x value-head pairs. For the delta
 
 "mosaic" (`mosaic_wy.py`, `mosaic_wy_grads.py`, Hopper only) is the Gated DeltaNet with its sequential forward and
 reverse passes (from 32 value heads per call; the Triton ones below) and its chunk-parallel gradient kernel in
-Mosaic GPU.
+Mosaic GPU; the gates and per-token vectors around them are two small Triton kernels (`mosaic_vectors.py`).
 `supports_mosaic`: the GPU backend on a compute capability 9.x device, the delta rule with no or a scalar decay,
 bfloat16 q/k/v, K = V = 128, Hv == H, chunk size 64. "auto" prefers it over "pallas" (`MOSAIC_PRIORITY`): measured
 as fast or faster forward and forward+backward at every size timed (docs/benchmarks.md).

@@ -75,6 +75,14 @@ def split_bf16(x):
     return hi, (x - hi.astype(F32)).astype(BF16)
 
 
+def split3_bf16(x):
+    """x = hi + mid + lo exactly (fp32 normal numbers and zeros) with three bf16 values. Inside kernels only."""
+    hi = x.astype(BF16)
+    rest = x - hi.astype(F32)
+    mid = rest.astype(BF16)
+    return hi, mid, (rest - mid.astype(F32)).astype(BF16)
+
+
 def split_bf16_in_xla(x):
     """`split_bf16` for use outside kernels, where XLA optimises the arithmetic. XLA's GPU pipeline removes
     f32 -> bf16 -> f32 conversion pairs (`SimplifyFPConversions`, on under its default

@@ -30,18 +30,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from deltajax.kernels.gpu.common import compiler_params, iota2
+from deltajax.kernels.gpu.common import BF16, F32, compiler_params, iota2, split3_bf16
 
 
-BF16 = jnp.bfloat16
-
-
-def _parts(x):
-    """x = hi + mid + lo exactly (fp32 normal numbers and zeros) with three bf16 values."""
-    hi = x.astype(BF16)
-    rest = x - hi.astype(F32)
-    mid = rest.astype(BF16)
-    return hi, mid, (rest - mid.astype(F32)).astype(BF16)
+CHUNK = 64
+WARPS = 4
+ROWS = 6  # mosaic_wy_grads.ROW_VECTORS: G hi, G lo, beta, carry exp(G), tail exp(G_C - G), doc
 
 
 def masked_sum(x, mask, *, mask_first):
@@ -52,13 +46,8 @@ def masked_sum(x, mask, *, mask_first):
     mask = mask.astype(BF16)
     raw = lambda part: lax.dot_general(*((mask, part) if mask_first else (part, mask)), (((1,), (0,)), ((), ())),
                                        preferred_element_type=F32)
-    hi, mid, lo = (raw(part) for part in _parts(x))
+    hi, mid, lo = (raw(part) for part in split3_bf16(x))
     return (lo + mid) + hi
-
-F32 = jnp.float32
-CHUNK = 64
-WARPS = 4
-ROWS = 6  # mosaic_wy_grads.ROW_VECTORS: G hi, G lo, beta, carry exp(G), tail exp(G_C - G), doc
 
 
 def _lanes(num_heads):

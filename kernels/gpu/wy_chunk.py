@@ -71,6 +71,7 @@ from deltajax.kernels.gpu.common import last as _last
 from deltajax.kernels.gpu.common import MIN_SEQUENTIAL_PROGRAMS
 from deltajax.kernels.gpu.common import sequential_block_v
 from deltajax.kernels.gpu.common import split_bf16 as _split_bf16
+from deltajax.kernels.gpu.common import split3_bf16
 from deltajax.kernels.gpu.common import split_pair_dot as _split_pair_dot
 from deltajax.kernels.gpu.common import unit_lower_inverse as _unit_lower_inverse
 from deltajax.rules.chunk import CumulativeLogDecay
@@ -293,14 +294,6 @@ def _block_diagonal_inverses(ats):
     return lax.fori_loop(1, SUB, step, tuple(eye for _ in ats))
 
 
-def _split3(x):
-    """x = hi + mid + lo exactly (fp32 normal numbers) with three bf16 values."""
-    hi = x.astype(BF16)
-    r = x - hi.astype(F32)
-    mid = r.astype(BF16)
-    return hi, mid, (r - mid.astype(F32)).astype(BF16)
-
-
 def _exact_dot(a, b, fp32):
     """a @ b of two fp32 values at about IEEE fp32 accuracy: IEEE fp32 for fp32 inputs (`fp32`), else six bf16
     tensor-core dots of the exact 3-way splits (the dropped terms are below 2^-24 relative; "split" mode's
@@ -308,7 +301,7 @@ def _exact_dot(a, b, fp32):
     if fp32:
         return _dot(a, b, mode="highest")
     raw = lambda x, y: lax.dot_general(x, y, (((1,), (0,)), ((), ())), preferred_element_type=F32)
-    (a_hi, a_mid, a_lo), (b_hi, b_mid, b_lo) = _split3(a), _split3(b)
+    (a_hi, a_mid, a_lo), (b_hi, b_mid, b_lo) = split3_bf16(a), split3_bf16(b)
     small = raw(a_hi, b_lo) + raw(a_mid, b_mid) + raw(a_lo, b_hi)
     return (small + (raw(a_hi, b_mid) + raw(a_mid, b_hi))) + raw(a_hi, b_hi)
 

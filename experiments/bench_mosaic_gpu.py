@@ -61,6 +61,7 @@ VARIANTS = {
     "block_v16_stages4": dict(warpgroups=1, block_v=16, stages=4),
     "triton_forward": dict(mosaic_forward=False),  # the Triton forward pass instead
     "xla_vectors": dict(vectors="xla"),  # the gates' cumsums and per-token vectors in XLA (until 2026-11-27)
+    "recompute_u": dict(recompute_u=True),  # the gradient kernel forms u from T; the forward pass saves no u
     # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).
     "previous": dict(state_dots="split", p_operand="smem", inverse_pair="xla", p_during_u=False, warpgroups=1,
                      query_state_late=False),

@@ -136,6 +136,12 @@ class Config:
     mosaic_reverse: bool = True
     # The gates' cumsums and the per-token vectors: one Triton kernel on each side of the call ("kernel") or XLA.
     vectors: str = "kernel"
+    # Under differentiation with the Mosaic forward pass and gradient kernel (and bf16 state products): the gradient
+    # kernel forms u = T diag(beta) y itself from T's pair, so the forward pass saves only the start states. Off
+    # (the default): the forward pass also writes u's bf16 pair, which the gradient kernel reads. Measured on the
+    # H100 (docs/mosaic.md, "u formed in the gradient kernel"): the forward gains ~50 us at 8x2048x16x128 and the
+    # gradient kernel loses ~200-270 us.
+    recompute_u: bool = False
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
@@ -233,9 +239,10 @@ def _forward_step(cfg, tiles, inputs, s, out_tiles, *, scale, segmented):
     tile (through `tiles.o_smem` and a TMA) and returns the next state. `inputs`: this chunk's SMEM refs q, k
     (C x K), v (C x BV), T hi, T lo, then the vectors G hi, G lo, beta, carry exp(G), tail exp(G_C - G), survive
     (K), G hi, G lo again and doc twice (rows and columns, see `_pass_body`). `out_tiles`: the chunk's GMEM tiles,
-    the output, then (differentiated) where the chunk's start state (bf16) and u (as its bf16 hi/lo pair) go,
-    copied from the operand tiles by TMA."""
+    the output, then (differentiated) where the chunk's start state (bf16) and u (as its bf16 hi/lo pair; not with
+    `Config.recompute_u`) go, copied from the operand tiles by TMA."""
     o_tile, *saved = out_tiles
+    saves_u = len(saved) == 3
     saved = saved or None
     C, K, BV = CHUNK, HEAD_DIM, cfg.block_v
     q, k, v, t_hi, t_lo, g_hi, g_lo, beta, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c = inputs
@@ -324,7 +331,7 @@ def _forward_step(cfg, tiles, inputs, s, out_tiles, *, scale, segmented):
         p_parts = (tiles.p_hi, tiles.p_lo)
     end_operand = lambda: mc.rows(to_end, BV) * u  # diag(tail exp(G_C - G)) u, the state-update operand of (6)
     def save_u(u_hi, u_lo):
-        if saved is not None:
+        if saves_u:
             plgpu.copy_smem_to_gmem(u_hi, saved[1])
             plgpu.copy_smem_to_gmem(u_lo, saved[2])
 
@@ -340,7 +347,7 @@ def _forward_step(cfg, tiles, inputs, s, out_tiles, *, scale, segmented):
         plgpu.commit_smem()
         save_u(x_hi, x_lo)
         o = output(x_hi, x_lo)
-        if saved is not None:
+        if saves_u:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # u's copies have read x_*
         mc.store_split(end_operand(), x_hi, x_lo)
         plgpu.commit_smem()
@@ -573,18 +580,20 @@ def _pass_kernel(cfg, step, kinds, out_type, dtype, *, reverse, nt, batch, num_h
 
 
 def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, segmented, interpret,
-                  with_states=False):
-    """(o, final state), and `with_states` every chunk's start state (bf16, (B, H, nt*K, V)) and u as its bf16
-    (hi, lo) halves (two (B, Tp, H, V) arrays), the residuals of the backward."""
+                  with_states=False, with_u=True):
+    """(o, final state), and `with_states` every chunk's start state (bf16, (B, H, nt*K, V)) and (`with_u`) u as
+    its bf16 (hi, lo) halves (two (B, Tp, H, V) arrays), the residuals of the backward."""
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     # The final state, then the per-chunk outputs (`_pass_body`'s order).
     out_type = (jax.ShapeDtypeStruct((B, H, K, V), F32), jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype))
     kinds = ("tokens",)
     if with_states:
-        out_type += (jax.ShapeDtypeStruct((B, H, Tp // CHUNK * K, V), BF16),
-                     *(jax.ShapeDtypeStruct((B, Tp, H, V), BF16),) * 2)
-        kinds += ("states", "tokens", "tokens")
+        out_type += (jax.ShapeDtypeStruct((B, H, Tp // CHUNK * K, V), BF16),)
+        kinds += ("states",)
+    if with_states and with_u:
+        out_type += (jax.ShapeDtypeStruct((B, Tp, H, V), BF16),) * 2
+        kinds += ("tokens", "tokens")
     step = functools.partial(_forward_step, cfg, scale=scale, segmented=segmented)
     kernel = _pass_kernel(cfg, step, kinds, out_type, v.dtype, reverse=False, nt=Tp // CHUNK, batch=B, num_heads=H,
                           interpret=interpret, name="wy_forward_mosaic")
@@ -702,17 +711,26 @@ def _wy_mosaic_fwd(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
     reverse_fp32 = not _mosaic_reverse_applies(cfg, tcfg) and tcfg.reverse_inverse_storage != "split"
     g, t_fp32, inputs = _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, segmented=segmented,
                                   interpret=interpret, reverse_fp32=reverse_fp32)
-    o, final, starts, u_hi, u_lo = _forward_pass(cfg, q, k, v, *inputs, h0, scale=scale, segmented=segmented,
-                                                 interpret=interpret, with_states=True)
+    saves_u = not _recomputes_u(cfg, tcfg)
+    o, final, starts, *u = _forward_pass(cfg, q, k, v, *inputs, h0, scale=scale, segmented=segmented,
+                                         interpret=interpret, with_states=True, with_u=saves_u)
     t_reverse = t_fp32 if reverse_fp32 else inputs[0]
-    # The vectors, document index and survival factors made once, for the backward's kernels too.
-    return (o, final), (q, k, v, beta, g, doc, carry, tail, t_reverse, None, starts, [(u_hi, u_lo)], inputs[1:])
+    # The vectors, document index and survival factors made once, for the backward's kernels too. u None: the
+    # gradient kernel forms it from T.
+    u = tuple(u) if saves_u else None
+    return (o, final), (q, k, v, beta, g, doc, carry, tail, t_reverse, None, starts, [u], inputs[1:])
 
 
 def _mosaic_grads_apply(cfg, tcfg):
     """Whether the gradient kernel is the Mosaic one (`Config.grads`): it reads what the Triton "merged" kernel
     reads, every chunk's bf16 start state and end-state cotangent, and u and dx saved by the passes."""
     return cfg.grads == "mosaic" and wy_chunk._saves_u_dx(tcfg) and tcfg.state_storage == "bf16"
+
+
+def _recomputes_u(cfg, tcfg):
+    """Whether the Mosaic gradient kernel forms u itself (`Config.recompute_u`), where the Mosaic forward pass runs
+    with bf16 state products (the gradient kernel reads bf16(S_0) for K S_0, as that pass does)."""
+    return cfg.recompute_u and cfg.state_dots == "bf16" and _mosaic_grads_apply(cfg, tcfg)
 
 
 def _mosaic_reverse_applies(cfg, tcfg):
@@ -736,9 +754,10 @@ def _wy_mosaic_bwd(static, residuals, cotangents):
     with_kernel = cfg.vectors == "kernel" and bool(made)
     do, dfinal = cotangents
     do = do.astype(v.dtype)
+    # T as its bf16 pair (2, B, Tp, H, C) for the Mosaic reverse pass and (u None, `_recomputes_u`) the gradient
+    # kernel, which then forms u from it: the Mosaic forward's pair, or fp32 T split here.
+    t_pair = t if t.ndim == 5 else jnp.stack(split_bf16_in_xla(t))
     if _mosaic_reverse_applies(cfg, tcfg):
-        # T as its bf16 pair (2, B, Tp, H, C): the Mosaic forward's, or the Triton forward's fp32 T split here.
-        t_pair = t if t.ndim == 5 else jnp.stack(split_bf16_in_xla(t))
         dh0, dends, dx = _reverse_pass(cfg, q, k, do, t_pair, vectors, doc_f, survive, dfinal.astype(F32),
                                        scale=scale, segmented=segmented, interpret=interpret)
     else:
@@ -746,7 +765,8 @@ def _wy_mosaic_bwd(static, residuals, cotangents):
                                                  dx_pair=True)
     dq, dk, dv, dbeta, dlog = mosaic_wy_grads.grads(
         q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, scale=scale, segmented=segmented,
-        interpret=interpret, vectors=vectors if with_kernel else None, survive=survive if with_kernel else None)
+        interpret=interpret, vectors=vectors if with_kernel else None, survive=survive if with_kernel else None,
+        t_pair=t_pair if u is None else None)
     return dq, dk, dv, dbeta.astype(beta.dtype), dlog, None, None, None, dh0
 
 

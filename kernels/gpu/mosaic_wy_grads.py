@@ -21,7 +21,9 @@ XLA (the in-chunk reverse cumsum of `wy_chunk._dlog`, exact fp32 sums).
 One CTA of two warpgroups per (chunk, value head), grid (chunks, B*Hv). Every input tile arrives by TMA at the
 start (q, k: C x K; dO, S_0, dS_end, and u and dx as their bf16 hi/lo pairs, in two V halves of 64 columns, the
 128-byte swizzle), in two groups on two barriers (dO and q, first read later, second). The Mosaic pass and the
-reverse pass write u and dx as bf16 pairs for this kernel (fp32 arrays are split in XLA, `as_pair`). The two
+reverse pass write u and dx as bf16 pairs for this kernel (fp32 arrays are split in XLA, `as_pair`); with u None
+the kernel forms u = T diag(beta) y from T's pair instead (`mosaic_wy.Config.recompute_u`, measured slower on the
+H100: docs/mosaic.md, "u formed in the gradient kernel"). The two
 warpgroups work side by side (`_warpgroup`), each in phases of a few wgmmas and one wait, so that few
 accumulators are live at a time:
 
@@ -74,16 +76,29 @@ ROW_VECTORS = ("g_hi", "g_lo", "beta", "from_start", "to_end", "doc")
 COL_VECTORS = ("g_hi", "g_lo", "doc")
 
 
-def _grad_body(q_ref, k_ref, v_ref, do_ref, u_hi_ref, u_lo_ref, dx_hi_ref, dx_lo_ref, starts_ref, dends_ref, vec_ref,
-               dq_ref, dk_ref, dv_ref, dbeta_ref, dgate_ref, end_ref, survive_ref, q_s, k_s, do_s, s0_s, dend_s, u_s,
-               x_s, p_s, a_s, ones_s, *scratch, scale, num_heads, segmented, threads):
-    """One chunk i of value head bh = b * H + h, two warpgroups w = 0, 1 (`_warpgroup`). u and dx come as bf16
-    (hi, lo) halves (B, Tp, H, V) each; vec_ref: `token_vectors` (6, B*H, Tp). Outputs: dq, dk, dv (B, Tp, H, 128)
-    bf16; each warpgroup's share of dbeta, of dL/dG's per-token terms and of the end terms (2, B*H, Tp) fp32, and of
-    the survival row sums (2, B*H, nt*K). SMEM: the inputs by V half (u_s, x_s: [half, hi/lo]), the dP and dA_k
-    pairs (p_s, a_s: [hi/lo]), a tile of ones, the vectors."""
+def _grad_body(*refs, scale, num_heads, segmented, threads, u_from_t):
+    """One chunk i of value head bh = b * H + h, two warpgroups w = 0, 1 (`_warpgroup`). The GMEM inputs: q, k, v,
+    dO; u's bf16 (hi, lo) halves (B, Tp, H, V) each, or (`u_from_t`) T's bf16 pair (2, B, Tp, H, C), from which the
+    kernel forms u itself; dx's halves; the start states and end-state cotangents; vec_ref: `token_vectors`
+    (6, B*H, Tp). Outputs: dq, dk, dv (B, Tp, H, 128) bf16; each warpgroup's share of dbeta, of dL/dG's per-token
+    terms and of the end terms (2, B*H, Tp) fp32, and of the survival row sums (2, B*H, nt*K). SMEM: the inputs by
+    V half (u_s, x_s: [half, hi/lo]), the dP and dA_k pairs (p_s, a_s: [hi/lo]), a tile of ones, the vectors.
+    With `u_from_t`, T's pair arrives in the tiles of u's second half (`_warpgroup`)."""
+    n_in = 10 if u_from_t else 11
+    inputs, outputs, tiles = refs[:n_in], refs[n_in:n_in + 7], refs[n_in + 7:]
+    if u_from_t:
+        q_ref, k_ref, v_ref, do_ref, t_ref, dx_hi_ref, dx_lo_ref, starts_ref, dends_ref, vec_ref = inputs
+        u_refs = ()
+    else:
+        q_ref, k_ref, v_ref, do_ref, u_hi_ref, u_lo_ref, dx_hi_ref, dx_lo_ref, starts_ref, dends_ref, vec_ref = inputs
+        u_refs = (u_hi_ref, u_lo_ref)
+    dq_ref, dk_ref, dv_ref, dbeta_ref, dgate_ref, end_ref, survive_ref = outputs
+    q_s, k_s, do_s, s0_s, dend_s, u_s, x_s, p_s, a_s, ones_s, *scratch = tiles
     n_vec = len(ROW_VECTORS) + len(COL_VECTORS)
-    vec_s, (first_loads, second_loads, handoff) = scratch[:n_vec], scratch[n_vec:]
+    vec_s, barriers = scratch[:n_vec], scratch[n_vec:]
+    first_loads, second_loads, handoff = barriers[:3]
+    # With `u_from_t`: warpgroup 0 has read T; both warpgroups have stored their half of u.
+    u_stored = types.SimpleNamespace(t_read=barriers[3], both=barriers[4]) if u_from_t else None
     row_vec = dict(zip(ROW_VECTORS, vec_s[:len(ROW_VECTORS)]))
     col_vec = dict(zip(COL_VECTORS, vec_s[len(ROW_VECTORS):]))
     i = lax.axis_index("chunk")
@@ -103,9 +118,11 @@ def _grad_body(q_ref, k_ref, v_ref, do_ref, u_hi_ref, u_lo_ref, dx_hi_ref, dx_lo
         for j, cols in enumerate(halves):
             first += [(starts_ref.at[b, h, state_rows, cols], s0_s.at[j]),
                       (dends_ref.at[b, h, state_rows, cols], dend_s.at[j])]
-            first += [(ref.at[b, tokens, h, cols], tiles.at[j, part])
-                      for refs, tiles in (((u_hi_ref, u_lo_ref), u_s), ((dx_hi_ref, dx_lo_ref), x_s))
-                      for part, ref in enumerate(refs)]
+            first += [(ref.at[b, tokens, h, cols], pairs.at[j, part])
+                      for srcs, pairs in ((u_refs, u_s), ((dx_hi_ref, dx_lo_ref), x_s))
+                      for part, ref in enumerate(srcs)]
+        if u_from_t:  # T's pair in the tiles of u's second half, until u is formed (`_warpgroup`)
+            first += [(t_ref.at[part, b, tokens, h, :], u_s.at[1, part]) for part in range(2)]
         second = [(do_ref.at[b, tokens, h, cols], do_s.at[j]) for j, cols in enumerate(halves)]
         second.append((q_ref.at[b, tokens, h, :], q_s))
         for group, barrier in ((first, first_loads), (second, second_loads)):
@@ -116,7 +133,8 @@ def _grad_body(q_ref, k_ref, v_ref, do_ref, u_hi_ref, u_lo_ref, dx_hi_ref, dx_lo
 
     refs = types.SimpleNamespace(
         q_s=q_s, k_s=k_s, do_s=do_s, s0_s=s0_s, dend_s=dend_s, u_s=u_s, x_s=x_s, p_s=p_s, a_s=a_s, ones_s=ones_s,
-        row_vec=row_vec, col_vec=col_vec, first_loads=first_loads, second_loads=second_loads, handoff=handoff)
+        row_vec=row_vec, col_vec=col_vec, first_loads=first_loads, second_loads=second_loads, handoff=handoff,
+        u_stored=u_stored)
     roles = [functools.partial(
         _warpgroup, w, refs, v_ref.at[b, tokens, h, halves[w]], scale=scale, segmented=segmented,
         concurrent=threads == 2,
@@ -177,11 +195,32 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
         return ks_ref[...], kd_ref[...], v
 
     ks, kd, v = pl.run_scoped(state_products, mc.acc(C, HALF), mc.acc(C, HALF))
-    end = to_end * jnp.sum(pair(r.u_s.at[w]) * kd, axis=1)
+    y = mc.wgmma_layout(v - rows(from_start) * ks)  # (3)
     dx = pair(r.x_s.at[w])
     out["dv"][...] = mc.wgmma_layout((rows(beta) * dx).astype(out["dv"].dtype))
-    dbeta = jnp.sum(dx * (v - rows(from_start) * ks), axis=1)  # dx (.) y
+    dbeta = jnp.sum(dx * y, axis=1)
     dgate = -jnp.sum(rows(beta_start) * dx * ks, axis=1)  # through carry exp(G) in (3)
+    if r.u_stored is None:
+        end = to_end * jnp.sum(pair(r.u_s.at[w]) * kd, axis=1)
+    else:
+        # u = T diag(beta) y of (4), V half w, as the forward pass forms it (from bf16(S_0), which K S_0 reads
+        # there too): diag(beta) y's pair goes through this warpgroup's score tiles (free until dP / dA_k), T's
+        # pair arrives in the tiles of u's second half, which warpgroup 1 overwrites once warpgroup 0 has read T.
+        y_tiles = r.p_s if w == 0 else r.a_s
+        mc.store_split(rows(beta) * y, y_tiles.at[0], y_tiles.at[1])
+        plgpu.commit_smem()
+        t_hi, t_lo = r.u_s.at[1, 0], r.u_s.at[1, 1]
+        u = accumulate([(t_hi, y_tiles.at[0]), (t_hi, y_tiles.at[1]), (t_lo, y_tiles.at[0])], n=HALF)
+        if concurrent:
+            (plgpu.barrier_arrive if w == 0 else plgpu.barrier_wait)(r.u_stored.t_read)
+        mc.store_split(u, r.u_s.at[w, 0], r.u_s.at[w, 1])
+        plgpu.commit_smem()
+        end = to_end * jnp.sum(u * kd, axis=1)
+        if concurrent:
+            plgpu.barrier_arrive(r.u_stored.both)
+        yield
+        if concurrent:
+            plgpu.barrier_wait(r.u_stored.both)
 
     u_parts = [transposed(r.u_s.at[j, part]) for j in range(2) for part in range(2)]
     masks = lambda: mc.chunk_masks(row_vec["doc"], col_vec["doc"], C, segmented)
@@ -281,17 +320,21 @@ def token_vectors(g, beta, carry, tail, doc=None):
     return jnp.stack([heads_major(x.astype(F32)) for x in rows])
 
 
-def _scratch_types():
+def _scratch_types(u_from_t):
     C, K = CHUNK, HEAD_DIM
     inputs = (mc.tiled((C, K)), mc.tiled((C, K)), mc.tiled((2, C, HALF)), mc.tiled((2, K, HALF)),
               mc.tiled((2, K, HALF)), mc.tiled((2, 2, C, HALF)), mc.tiled((2, 2, C, HALF)))
     operands = (mc.tiled((2, C, C)), mc.tiled((2, C, C)), mc.tiled((C, C)))  # dP pair, dA_k pair, ones
     vectors = tuple(plgpu.SMEM((C,), F32) for _ in ROW_VECTORS + COL_VECTORS)
-    # Arrivals: one per copy of each group (`_grad_body`); one per warpgroup for the handoffs.
-    first = 1 + len(ROW_VECTORS) + len(COL_VECTORS) + 2 * (2 + 4)
+    # Arrivals: one per copy of each group (`_grad_body`: k, the vectors, S_0 and dS_end by halves, then u's and
+    # dx's pairs by halves or dx's by halves and T's pair; dO's halves and q); one per warpgroup for the
+    # handoffs, and both warpgroups' for u's pairs.
+    first = 1 + len(ROW_VECTORS) + len(COL_VECTORS) + 2 * 2 + (2 * 2 + 2 if u_from_t else 2 * 4)
     second = 2 + 1
     barriers = (plgpu.Barrier(num_arrivals=first), plgpu.Barrier(num_arrivals=second),
                 plgpu.Barrier(num_arrivals=1, num_barriers=2))
+    if u_from_t:
+        barriers += (plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=2))
     return inputs + operands + vectors + barriers
 
 
@@ -301,14 +344,19 @@ def as_pair(x):
 
 
 def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale, segmented, interpret, vectors=None,
-          survive=None):
+          survive=None, t_pair=None):
     """(dq, dk, dv, dbeta, d(log_decay)) of every chunk, as `wy_chunk._grads` returns them for "merged": padded
     inputs (Tp a multiple of 64), g = [hi, lo] in-chunk gates, starts / dends (B, H, nt*K, V) bf16, do bf16, u and
-    dx each as its bf16 (hi, lo) halves (B, Tp, H, V) (fp32 arrays are split in XLA, `as_pair`). `vectors`: the
-    kernel's `token_vectors` (6, B*H, Tp) where made already (`mosaic_vectors.prologue`); `survive`: that
-    prologue's survival factors (B*H, nt*K), which send the warpgroups' shares to `mosaic_vectors.epilogue` for
-    dbeta and d(log_decay) instead of XLA."""
-    u, dx = as_pair(u), as_pair(dx)
+    dx each as its bf16 (hi, lo) halves (B, Tp, H, V) (fp32 arrays are split in XLA, `as_pair`). u None: the kernel
+    forms u = T diag(beta) (v - carry exp(G) (.) K S_0) itself from `t_pair`, T's bf16 pair (2, B, Tp, H, C), as
+    the Mosaic forward pass does (S_0 as bf16 in K S_0). `vectors`: the kernel's `token_vectors` (6, B*H, Tp) where
+    made already (`mosaic_vectors.prologue`); `survive`: that prologue's survival factors (B*H, nt*K), which send
+    the warpgroups' shares to `mosaic_vectors.epilogue` for dbeta and d(log_decay) instead of XLA."""
+    u_from_t = u is None
+    if u_from_t and t_pair is None:
+        raise ValueError("grads: u is None, so t_pair (T's bf16 pair, (2, B, Tp, H, 64)) is needed to form it")
+    u_inputs = (t_pair,) if u_from_t else as_pair(u)
+    dx = as_pair(dx)
     B, Tp, H, K = q.shape
     V = v.shape[-1]
     nt = Tp // CHUNK
@@ -322,14 +370,15 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     # warpgroup runs both roles in turn (the same SMEM handoffs, no barriers between the roles).
     threads = 1 if interpret else 2
     kernel = plgpu.kernel(
-        functools.partial(_grad_body, scale=scale, num_heads=H, segmented=segmented, threads=threads),
-        out_type=out_type, scratch_types=_scratch_types(), grid=(nt, B * H), grid_names=("chunk", "head"),
+        functools.partial(_grad_body, scale=scale, num_heads=H, segmented=segmented, threads=threads,
+                          u_from_t=u_from_t),
+        out_type=out_type, scratch_types=_scratch_types(u_from_t), grid=(nt, B * H), grid_names=("chunk", "head"),
         num_threads=threads, thread_name="wg",
         # Every reduction is along the rows, within a warp: no SMEM for cross-warp ones (which fills 227 KiB).
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
         kernel_name="wy_grads_mosaic")
-    dq, dk, dv, *shares = kernel(q, k, v, do, *u, *dx, starts, dends, vectors)
+    dq, dk, dv, *shares = kernel(q, k, v, do, *u_inputs, *dx, starts, dends, vectors)
     if survive is not None:
         dbeta, dlog = mosaic_vectors.epilogue(*shares, survive, num_heads=H, interpret=interpret)
         return dq, dk, dv, dbeta, dlog

@@ -214,10 +214,24 @@ def test_gradients_match_scan_in_interpreter(packed, config):
             assert grads[name].shape == x[name].shape and error <= tol, (name, error)
 
 
+def test_recomputed_u_gives_the_gradients_of_saved_u_in_interpreter():
+    """The gradient kernel forming u from T (`recompute_u`) against it reading the u the forward pass saved (the
+    default): the same products in the same modes, so the gradients agree to fp32 summation order and
+    the bf16 rounding of dq, dk, dv (packed documents, beta up to 2, initial state)."""
+    x = _bf16_inputs(fresh_key(), B=1, T=150, H=2, beta_max=2.0, packed=True, with_initial_state=True)
+    recompute = dataclasses.replace(_INTERPRETED, recompute_u=True)
+    recomputed = _grads(functools.partial(chunk_wy_mosaic, config=recompute), x)
+    saved = _grads(functools.partial(chunk_wy_mosaic, config=_INTERPRETED), x)
+    for name in recomputed:
+        error = relative_error(recomputed[name], saved[name])
+        print(f"d{name} {error:.2e}")
+        assert error <= 1e-4, (name, error)
+
+
 def test_saved_states_match_the_triton_pass_in_interpreter():
-    """The residuals the Mosaic pass writes for the backward (bf16 start states, u as its bf16 hi/lo pair)
-    against those of the Triton forward pass on the same inputs (which also writes u's pair for the Mosaic gradient
-    kernel); both take plain-bf16 state products, so they agree to bf16 rounding."""
+    """The residuals the Mosaic pass writes for the backward (bf16 start states, and unless `recompute_u` u as its
+    bf16 hi/lo pair) against those of the Triton forward pass on the same inputs (which also writes u's pair for the
+    Mosaic gradient kernel); both take plain-bf16 state products, so they agree to bf16 rounding."""
     x = _bf16_inputs(fresh_key(), B=1, T=192, H=2, beta_max=2.0, with_initial_state=True)
     static_args = dict(scale=0.3, initial_state=x["initial_state"], segment_ids=None)
     captured = {}
@@ -229,13 +243,17 @@ def test_saved_states_match_the_triton_pass_in_interpreter():
             return primal, residuals
         return wrapped
 
-    for name, cfg in (("mosaic", _INTERPRETED), ("triton", dataclasses.replace(_INTERPRETED, mosaic_forward=False))):
+    for name, cfg in (("mosaic", _INTERPRETED), ("triton", dataclasses.replace(_INTERPRETED, mosaic_forward=False)),
+                      ("recomputed", dataclasses.replace(_INTERPRETED, recompute_u=True))):
         fwd = capture(name, mosaic_wy._wy_mosaic_fwd)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(mosaic_wy._wy_mosaic, "fwd", fwd)
             jax.vjp(lambda q: chunk_wy_mosaic(q, x["k"], x["v"], x["beta"], x["log_decay"], config=cfg,
                                               **static_args), x["q"])
     (starts, (u_hi, u_lo)), (starts_ref, u_ref_pair) = captured["mosaic"], captured["triton"]
+    # With `recompute_u` the gradient kernel forms u itself: the pass saves the same start states and no u.
+    starts_default, u_default = captured["recomputed"]
+    assert u_default is None and bool(jnp.all(starts_default == starts))
     assert starts.dtype == starts_ref.dtype == jnp.bfloat16 and starts.shape == starts_ref.shape
     assert all(part.dtype == jnp.bfloat16 for part in (u_hi, u_lo, *u_ref_pair))
     u = u_hi.astype(jnp.float32) + u_lo.astype(jnp.float32)
@@ -372,7 +390,7 @@ def test_lowers_for_cuda(segmented, init, config):
 
 
 @pytest.mark.parametrize("config", ["default", "shared_head", "block_v32", "state_split", "triton_forward",
-                                    "triton_reverse", "triton_grads"])
+                                    "triton_reverse", "triton_grads", "recompute_u"])
 def test_gradient_lowers_for_cuda(config):
     """jax.grad of the call lowered for an abstract H100: the Mosaic pass (with its saved outputs) runs once, in the
     forward, unless `mosaic_forward` is off (then the Triton forward pass runs instead); the Mosaic reverse pass
@@ -381,7 +399,8 @@ def test_gradient_lowers_for_cuda(config):
     B, T, H = 1, 130, 2
     cfg = {"triton_forward": dataclasses.replace(_COMPILED, mosaic_forward=False),
            "triton_reverse": dataclasses.replace(_COMPILED, mosaic_reverse=False),
-           "triton_grads": dataclasses.replace(_COMPILED, grads="triton")}.get(config) or GPU_CONFIGS.get(config)
+           "triton_grads": dataclasses.replace(_COMPILED, grads="triton"),
+           "recompute_u": dataclasses.replace(_COMPILED, recompute_u=True)}.get(config) or GPU_CONFIGS.get(config)
     q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
     gate = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
     h0 = jax.ShapeDtypeStruct((B, H, D, D), jnp.float32)
@@ -432,16 +451,19 @@ def test_gpu_public_api_with_impl_mosaic():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", ["block_v32", "shared_head", "block_v64", "triton_forward", "triton_reverse"])
+@pytest.mark.parametrize("config", ["block_v32", "shared_head", "block_v64", "triton_forward", "triton_reverse",
+                                    "recompute_u"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_gpu_gradients_match_scan(packed, config):
-    """Compiled: the gradients (the Mosaic pass saving the start states and u, the Mosaic reverse pass and gradient
-    kernel; or the Triton forward or reverse pass in their place) against the fp32 scan's."""
+    """Compiled: the gradients (the Mosaic pass saving the start states and u, or for "recompute_u" the start states
+    only, the Mosaic reverse pass and gradient kernel; or the Triton forward or reverse pass in their place)
+    against the fp32 scan's."""
     x = _bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=packed, with_initial_state=True)
     reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
     cfg = {"block_v32": GPU_CONFIGS["block_v32"], "shared_head": GPU_CONFIGS["shared_head"], "block_v64": _COMPILED,
            "triton_forward": dataclasses.replace(_COMPILED, mosaic_forward=False),
-           "triton_reverse": dataclasses.replace(_COMPILED, mosaic_reverse=False)}[config]
+           "triton_reverse": dataclasses.replace(_COMPILED, mosaic_reverse=False),
+           "recompute_u": dataclasses.replace(GPU_CONFIGS["shared_head"], recompute_u=True)}[config]
     grads = _grads(functools.partial(chunk_wy_mosaic, config=cfg), x)
     grads_ref = _grads(recurrent_scan, reference)
     for name, tol in GRAD_TOLS.items():

@@ -44,18 +44,21 @@ def _residuals(x, do, dfinal):
     q, k, v, beta, g, doc, carry, tail, t, t_grads, starts, (u,) = wy_chunk._wy_fwd(cfg, *args)[1]
     do = jnp.pad(do, ((0, 0), (0, q.shape[1] - do.shape[1]), (0, 0), (0, 0)))
     _, dends, dx = wy_chunk._reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal)
-    return cfg, t_grads, (q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx)
+    return cfg, t, t_grads, (q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx)
 
 
-def _compare(x):
+def _compare(x, u_from_t=False):
+    """`u_from_t`: the kernel forms u from T's pair (the split of the Triton pass's fp32 T) instead of reading the
+    Triton pass's u, which that pass forms with the same product modes (bf16(S_0) in K S_0, T's products split)."""
     B, T, H, _ = x["q"].shape
     kd, kf = jax.random.split(fresh_key())
     do = jax.random.normal(kd, (B, T, H, D), jnp.bfloat16)
     dfinal = jax.random.normal(kf, (B, H, D, D), jnp.float32)
-    cfg, t_grads, res = _residuals(x, do, dfinal)
+    cfg, t, t_grads, res = _residuals(x, do, dfinal)
     segmented = x["segment_ids"] is not None
-    ours = jax.jit(lambda *a: mosaic_wy_grads.grads(*a, scale=SCALE, segmented=segmented,
-                                                    interpret=not ON_GPU))(*res)
+    t_pair = (t if t.ndim == 5 else jnp.stack(split_bf16_in_xla(t))) if u_from_t else None  # fp32 T or its pair
+    ours = jax.jit(lambda *a: mosaic_wy_grads.grads(*a[:11], None if u_from_t else a[11], a[12], scale=SCALE,
+                                                    segmented=segmented, interpret=not ON_GPU, t_pair=t_pair))(*res)
     q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx = res
     # The Mosaic kernel takes every dk product in the split mode: so does the oracle here (its default rounds the
     # operands of dk's state and dA_k terms to bf16, a 2^-9 relative error per element that both would differ by).
@@ -69,10 +72,13 @@ def _compare(x):
         assert error <= TOLS[name], (name, error)
 
 
-@pytest.mark.parametrize("case", ["plain", "packed", "strong_decay", "near_zero_decay", "correlated_keys"])
+@pytest.mark.parametrize("case", ["plain", "packed", "strong_decay", "near_zero_decay", "correlated_keys",
+                                  "packed_u_from_t", "strong_decay_u_from_t", "correlated_keys_u_from_t"])
 def test_matches_the_triton_kernel_in_interpreter(case):
     """T not a multiple of 64, beta up to 2, an initial state; packed documents; strong (log-decay down to -8 per
-    token) and near-zero decay; keys drawn around one direction."""
+    token) and near-zero decay; keys drawn around one direction. "_u_from_t": u formed in the kernel from T."""
+    u_from_t = case.endswith("_u_from_t")
+    case = case.removesuffix("_u_from_t")
     kwargs = dict(B=1, T=150, H=2, K=D, V=D, dtype=jnp.bfloat16, beta_max=2.0, with_initial_state=True)
     kwargs.update(dict(packed=dict(packed=True), strong_decay=dict(decay_scale=8.0),
                        near_zero_decay=dict(decay_scale=1e-4)).get(case, {}))
@@ -81,7 +87,7 @@ def test_matches_the_triton_kernel_in_interpreter(case):
         k = x["k"].astype(jnp.float32)
         k = k[:, :1] + 0.1 * k
         x["k"] = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
-    _compare(x)
+    _compare(x, u_from_t)
 
 
 @pytest.mark.parametrize("output_method", ["fused", "split"])
@@ -116,9 +122,10 @@ H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
 
 
 @pytest.mark.parametrize("segmented", [False, True])
-def test_lowers_for_cuda(segmented):
+@pytest.mark.parametrize("u_from_t", [False, True])
+def test_lowers_for_cuda(segmented, u_from_t):
     """Catches what the interpreter accepts but Mosaic GPU cannot lower (layouts, wgmma operands, transposed
-    views)."""
+    views, the barriers of the two warpgroups, which the interpreter runs in turn)."""
     B, Tp, H = 1, 192, 2
     nt = Tp // 64
     S = jax.ShapeDtypeStruct
@@ -126,14 +133,18 @@ def test_lowers_for_cuda(segmented):
                                                                                          jnp.bfloat16)
     args = (key, key, key, S((B, Tp, H), jnp.float32), S((2, B, Tp, H), jnp.float32), S((B, Tp), jnp.int32),
             S((B, Tp), jnp.float32), S((B, Tp), jnp.float32), state, state, key, value, value)
-    fn = jax.jit(lambda *a: mosaic_wy_grads.grads(*a, scale=SCALE, segmented=segmented, interpret=False))
+    t_pair = S((2, B, Tp, H, 64), jnp.bfloat16)
+    fn = jax.jit(lambda *a: mosaic_wy_grads.grads(*a[:11], None if u_from_t else a[11], a[12], scale=SCALE,
+                                                  segmented=segmented, interpret=False, t_pair=a[13]))
+    args += (t_pair,)
     with jax.sharding.use_abstract_mesh(H100):
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("u_from_t", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
-def test_gpu_matches_the_triton_kernel(packed):
+def test_gpu_matches_the_triton_kernel(packed, u_from_t):
     _compare(rule_inputs(fresh_key(), B=2, T=1000, H=4, K=D, V=D, dtype=jnp.bfloat16, beta_max=2.0, packed=packed,
-                         with_initial_state=True))
+                         with_initial_state=True), u_from_t)

@@ -23,9 +23,8 @@ start (q, k: C x K; dO, S_0, dS_end, and u and dx as their bf16 hi/lo pairs, in 
 128-byte swizzle), in two groups on two barriers (dO and q, first read later, second). The Mosaic pass and the
 reverse pass write u and dx as bf16 pairs for this kernel (fp32 arrays are split in XLA, `as_pair`); with u None
 the kernel forms u = T diag(beta) y from T's pair instead (`mosaic_wy.Config.recompute_u`, measured slower on the
-H100: docs/mosaic.md, "u formed in the gradient kernel"). The two
-warpgroups work side by side (`_warpgroup`), each in phases of a few wgmmas and one wait, so that few
-accumulators are live at a time:
+H100: docs/mosaic.md, "u formed in the gradient kernel"). The two warpgroups work side by side (`_warpgroup`), each
+in phases of a few wgmmas and one wait, so that few accumulators are live at a time:
 
     warpgroup 0                                     warpgroup 1
     V half 0: K S_0, K dS_end (v from GMEM         V half 1: the same

@@ -112,6 +112,13 @@ def test_triton_forward_saves_u_as_its_pair(output_method):
     assert relative_error(o_pair.astype(jnp.float32), o.astype(jnp.float32)) <= 1e-4
 
 
+def test_u_none_needs_t_pair():
+    x = rule_inputs(fresh_key(), B=1, T=64, H=1, K=D, V=D, dtype=jnp.bfloat16)
+    _, _, _, res = _residuals(x, x["v"], jax.random.normal(fresh_key(), (1, 1, D, D), jnp.float32))
+    with pytest.raises(ValueError, match="t_pair"):
+        mosaic_wy_grads.grads(*res[:11], None, res[12], scale=SCALE, segmented=False, interpret=True)
+
+
 def test_without_decay_in_interpreter():
     _compare(rule_inputs(fresh_key(), B=1, T=64, H=1, K=D, V=D, dtype=jnp.bfloat16, decay="none", packed=True))
 

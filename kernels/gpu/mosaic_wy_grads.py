@@ -29,13 +29,16 @@ in phases of a few wgmmas and one wait, so that few accumulators are live at a t
     warpgroup 0                                     warpgroup 1
     V half 0: K S_0, K dS_end (v from GMEM         V half 1: the same
       meanwhile), dv, the per-token sums
-    dP (with Q K^T), its pair to SMEM -> handoff    dA_k (with K K^T), its pair to SMEM
-    dq = scale f (.) dO S_0^T + dP K                dk: its state terms, dA_k's terms, then (handoff) dP's
-    (handoff) colsum(Z0), Z0 = its part of Z        -> handoff; colsum(Z1)
+    dA_k (with K K^T), its pair -> handoff 0        dk: its state terms (e (.) u) dS_end^T, dks S_0^T,
+    dP (with Q K^T), its pair -> handoff 1            then (handoff 0) dA_k's terms, (handoff 1) dP's
+    dq = scale f (.) dO S_0^T + dP K                  -> handoff 2
+    (handoff 2) colsum(Z) in dP's tiles
 
-colsum is Z^T (hi/lo, in the freed pair's tiles) against a tile of ones. dk is warpgroup 1's whole (it has the
-larger share: 42 of 62 wgmma units of 64 x 64 x 64); K halves of dk and dq on both instead (operands
-sliced by columns) measured 1.05 ms against 0.69 ms (8x2048x16x128, H100, docs/mosaic.md). The products, M x N x K:
+colsum is Z^T (hi/lo) against a tile of ones. dk is warpgroup 1's whole: 32 of 60 wgmma units of 64 x 64 x 64
+against warpgroup 0's 28. Until 2026-11-27 warpgroup 1 formed dA_k too (42 units against 20, each warpgroup
+its part of Z): 0.726 ms against 0.610-0.616 now at 8x2048x16x128 (H100, docs/mosaic.md, "Rebalanced roles");
+K halves of dk and dq on both instead (operands sliced by columns) measured 1.05 ms against 0.69 ms then.
+The products, M x N x K:
 
     KS, KD                     2 x 2 x (64 x 64 x 128)         bf16 x bf16
     dO u^T, dx u^T             2 x (2 + 3) x (64 x 64 x 64)    u, dx as hi/lo pairs (split)
@@ -156,10 +159,11 @@ def _run(steps):
 
 def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
     """Warpgroup w's share of one chunk: V half w of the contractions with S_0 and dS_end (dv, the per-token
-    sums); the score cotangent dP (w = 0) or dA_k (w = 1), stored as its pair for both; then dq (w = 0) or dk
-    (w = 1), and colsum(Z) of its part of Z. `handoff`: [0] dP's pair is in SMEM, [1] warpgroup 1 has read it
-    (warpgroup 0 never reads dA_k's pair). A generator that yields at the handoffs, so that one warpgroup can also
-    run both roles in turn (`concurrent=False`: no barriers between the roles, each load barrier waited on once)."""
+    sums); then (w = 0) the cotangents dA_k and dP, stored as pairs for warpgroup 1, dq and colsum(Z), or (w = 1)
+    dk. `handoff`: [0] dA_k's pair is in SMEM, [1] dP's pair is, [2] warpgroup 1 has read both (Z then takes dP's
+    tiles). A generator that yields between the roles' steps, so that one warpgroup can also run both roles in turn
+    (`concurrent=False`: no barriers between the roles, each load barrier waited on once): warpgroup 0's first step
+    stores both pairs before warpgroup 1's first step reads them, and overwrites dP's only in its second."""
     C, K = CHUNK, HEAD_DIM
     row_vec, col_vec, handoff = r.row_vec, r.col_vec, r.handoff
     if concurrent or w == 0:
@@ -251,24 +255,33 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
         mc.store_split(da_k, r.a_s.at[0], r.a_s.at[1])
         return jnp.sum(da * kk * decay_strict, axis=1), mc.wgmma_layout(da_k * kk)
 
-    if w == 0:
-        z = pl.run_scoped(decayed_score_grads, mc.acc(C, C), mc.acc(C, C))
-    else:
+    if w == 0:  # dA_k, then dP, each stored as its pair for warpgroup 1's dk; Z = both parts
         dbeta_pairs, z = pl.run_scoped(key_pair_grads, mc.acc(C, C), mc.acc(C, C))
+        plgpu.commit_smem()  # the pair's stores, before the wgmmas read them
+        if concurrent:
+            plgpu.barrier_arrive(handoff.at[0])
+        z = z + pl.run_scoped(decayed_score_grads, mc.acc(C, C), mc.acc(C, C))
+        plgpu.commit_smem()
+        if concurrent:
+            plgpu.barrier_arrive(handoff.at[1])
         dbeta = dbeta + dbeta_pairs
-    dgate = dgate + jnp.sum(z, axis=1)
-    plgpu.commit_smem()  # the pair's stores, before the wgmmas read them
-    if concurrent and w == 0:
-        plgpu.barrier_arrive(handoff.at[0])
-    yield
+        dgate = dgate + jnp.sum(z, axis=1)
+        yield
 
-    if w == 0:  # dq = scale f (.) dO S_0^T + dP K
+        # dq = scale f (.) dO S_0^T + dP K
         dq_state = mc.wgmma_layout(scale * rows(from_start, K)
                                    * accumulate([(r.do_s.at[j], transposed(r.s0_s.at[j])) for j in range(2)]))
         local = jnp.sum(dq_state * load(r.q_s), axis=1)
         dq = mc.wgmma_layout(dq_state + accumulate([(r.p_s.at[part], r.k_s) for part in range(2)]))
         out["dq"][...] = mc.wgmma_layout(dq.astype(out["dq"].dtype))
-    else:  # dk, the state terms with their row factors after the products, then dP's terms once it is there
+        # colsum(Z): rows of Z^T times ones, Z's pair in dP's tiles once warpgroup 1 has read dP and dA_k.
+        if concurrent:
+            plgpu.barrier_wait(handoff.at[2])
+        mc.store_split(z, r.p_s.at[0], r.p_s.at[1])
+        plgpu.commit_smem()
+        colsum = jnp.max(accumulate([(transposed(r.p_s.at[part]), r.ones_s) for part in range(2)], n=C), axis=1)
+        dgate = dgate - colsum + local
+    else:  # dk: the state terms with their row factors after the products, then dA_k's and dP's terms
         pairs = lambda tiles, state: [(tiles.at[j, part], transposed(state.at[j])) for j in range(2)
                                       for part in range(2)]
         dk = mc.wgmma_layout(rows(to_end, K) * accumulate(pairs(r.u_s, r.dend_s))  # (e (.) u) dS_end^T
@@ -277,26 +290,20 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
         def wait_for_scores():
             if concurrent:
                 plgpu.barrier_wait(r.second_loads)  # q
-                plgpu.barrier_wait(handoff.at[0])
+                plgpu.barrier_wait(handoff.at[1])
 
+        if concurrent:
+            plgpu.barrier_wait(handoff.at[0])
         key_terms = [(r.a_s.at[part], r.k_s) for part in range(2)]
         key_terms += [(transposed(r.a_s.at[part]), r.k_s) for part in range(2)]
         score_terms = [(transposed(r.p_s.at[part]), r.q_s) for part in range(2)]
         dk = mc.wgmma_layout(dk + accumulate(key_terms, before_last=wait_for_scores, last=score_terms))
+        if concurrent:
+            plgpu.barrier_arrive(handoff.at[2])
+        yield
         out["dk"][...] = mc.wgmma_layout(dk.astype(out["dk"].dtype))
-        local = 0.0
-
-    # colsum(Z) of this warpgroup's part of Z: rows of Z^T times ones, Z's pair in place of this warpgroup's
-    # scores once both warpgroups have read them.
-    if concurrent:
-        (plgpu.barrier_wait if w == 0 else plgpu.barrier_arrive)(handoff.at[1])
-    yield
-    z_tiles = r.p_s if w == 0 else r.a_s
-    mc.store_split(z, z_tiles.at[0], z_tiles.at[1])
-    plgpu.commit_smem()
-    colsum = jnp.max(accumulate([(transposed(z_tiles.at[part]), r.ones_s) for part in range(2)], n=C), axis=1)
     out["dbeta"][...] = dbeta
-    out["dgate"][...] = dgate - colsum + local
+    out["dgate"][...] = dgate
     out["end"][...] = end
     # Last, when few registers are live: sum(S_0 (.) dS_end) by rows over V half w, for the survival factor.
     out["survive"][...] = jnp.sum(load(r.s0_s.at[w]) * load(r.dend_s.at[w]), axis=1)
@@ -331,7 +338,7 @@ def _scratch_types(u_from_t):
     first = 1 + len(ROW_VECTORS) + len(COL_VECTORS) + 2 * 2 + (2 * 2 + 2 if u_from_t else 2 * 4)
     second = 2 + 1
     barriers = (plgpu.Barrier(num_arrivals=first), plgpu.Barrier(num_arrivals=second),
-                plgpu.Barrier(num_arrivals=1, num_barriers=2))
+                plgpu.Barrier(num_arrivals=1, num_barriers=3))
     if u_from_t:
         barriers += (plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=2))
     return inputs + operands + vectors + barriers

@@ -252,8 +252,8 @@ def test_saved_states_match_the_triton_pass_in_interpreter():
                                               **static_args), x["q"])
     (starts, (u_hi, u_lo)), (starts_ref, u_ref_pair) = captured["mosaic"], captured["triton"]
     # With `recompute_u` the gradient kernel forms u itself: the pass saves the same start states and no u.
-    starts_default, u_default = captured["recomputed"]
-    assert u_default is None and bool(jnp.all(starts_default == starts))
+    starts_recomputed, u_recomputed = captured["recomputed"]
+    assert u_recomputed is None and bool(jnp.all(starts_recomputed == starts))
     assert starts.dtype == starts_ref.dtype == jnp.bfloat16 and starts.shape == starts_ref.shape
     assert all(part.dtype == jnp.bfloat16 for part in (u_hi, u_lo, *u_ref_pair))
     u = u_hi.astype(jnp.float32) + u_lo.astype(jnp.float32)

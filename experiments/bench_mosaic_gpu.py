@@ -59,6 +59,8 @@ VARIANTS = {
     "block_v32_stages3": dict(warpgroups=1, block_v=32, stages=3),
     "block_v16_stages3": dict(warpgroups=1, block_v=16, stages=3),
     "block_v16_stages4": dict(warpgroups=1, block_v=16, stages=4),
+    # The Mosaic passes below `MOSAIC_FORWARD_MIN_BATCH_HEADS` heads too (the default runs Triton's there).
+    "mosaic_block_v32": dict(warpgroups=1, block_v=32, mosaic_forward=True, mosaic_reverse=True),
     "triton_forward": dict(mosaic_forward=False),  # the Triton forward pass instead
     "xla_vectors": dict(vectors="xla"),  # the gates' cumsums and per-token vectors in XLA (until 2026-11-27)
     "recompute_u": dict(recompute_u=True),  # the gradient kernel forms u from T; the forward pass saves no u

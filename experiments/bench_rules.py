@@ -2,7 +2,8 @@
 
     python experiments/bench_rules.py --rule=gated_deltanet --sizes=2x512x4x64 --impls=scan,chunk,chunk_assoc
 
-Each size is BxTxHxD (K = V = D, as many value heads as key heads). Times are device time per call
+Each size is BxTxHxD (K = V = D, as many value heads as key heads) or BxTxHxDxHv (Hv value heads, a multiple of
+the H key heads: groups of Hv/H value heads share a key head's q and k). Times are device time per call
 (`--timing=marginal`, `_timing.marginal_ms`): queues of --iters and 3 x --iters calls, each queued back to back
 and waited for once, per call (t(3n) - t(n)) / 2n, median of 5 such pairs, after --warmup runs. That is the
 device's time for one more call, what a long training loop sees and what `triton.testing.do_bench` reports for the
@@ -34,7 +35,7 @@ import _timing  # experiments/
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("rule", "gated_deltanet", ["linear_attention", "deltanet", "gated_deltanet", "kda"],
                   "Which rule to time.")
-flags.DEFINE_list("sizes", ["2x512x4x64", "1x2048x4x64"], "BxTxHxD sizes.")
+flags.DEFINE_list("sizes", ["2x512x4x64", "1x2048x4x64"], "BxTxHxD or BxTxHxDxHv sizes.")
 flags.DEFINE_list("impls", ["scan", "chunk", "chunk_assoc"],
                   "Implementations: scan, chunk, chunk_assoc (chunk with associative state passing), or any "
                   "registered kernel name (e.g. pallas).")
@@ -55,17 +56,18 @@ flags.DEFINE_bool("peak_memory", False, "Print the device's peak memory in use a
                   "a queue of calls keeps every call's outputs alive, which would count in the peak).")
 
 
-def make_inputs(rule, B, T, H, D, dtype, seed=0):
+def make_inputs(rule, B, T, H, D, dtype, seed=0, Hv=None):
+    Hv = Hv or H
     keys = jax.random.split(jax.random.PRNGKey(seed), 6)
     q = jax.random.normal(keys[0], (B, T, H, D), jnp.float32)
     k = jax.random.normal(keys[1], (B, T, H, D), jnp.float32)
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    v = jax.random.normal(keys[2], (B, T, H, D), jnp.float32)
-    beta = jax.nn.sigmoid(jax.random.normal(keys[3], (B, T, H)))
+    v = jax.random.normal(keys[2], (B, T, Hv, D), jnp.float32)
+    beta = jax.nn.sigmoid(jax.random.normal(keys[3], (B, T, Hv)))
     if rule == "gated_deltanet":
-        log_decay = jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, H)) + 3.0)
+        log_decay = jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, Hv)) + 3.0)
     elif rule in ("kda",):
-        log_decay = jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, H, D)) + 3.0)
+        log_decay = jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, Hv, D)) + 3.0)
     else:
         log_decay = None
     cast = lambda x: x.astype(dtype)
@@ -84,13 +86,15 @@ def rule_fn(rule, impl):
     return fn
 
 
-def floor_bytes(B, T, H, D, dtype, rule):
+def floor_bytes(B, T, H, D, dtype, rule, Hv=None):
+    """q and k (H heads), v and o (Hv), the per-token gates and the final state, each once."""
+    Hv = Hv or H
     item = jnp.dtype(dtype).itemsize
-    tokens = B * T * H
+    tokens = B * T * Hv
     gates = tokens * 4 * (2 if rule != "linear_attention" else 0)
     if rule == "kda":
         gates += tokens * D * 4
-    return 4 * tokens * D * item + gates + B * H * D * D * 4
+    return 2 * B * T * H * D * item + 2 * tokens * D * item + gates + B * Hv * D * D * 4
 
 
 def main(argv):
@@ -109,13 +113,15 @@ def main(argv):
           + {"marginal": "device time of one more call in a queue (t(3n) - t(n)) / 2n",
              "pipelined": "a queue's time per call", "each": "each call waited for"}[FLAGS.timing])
     print(f"# {FLAGS.rule}, {dtype.name}, {device.platform}: {device.device_kind}, jax {jax.__version__}")
-    print("| impl | BxTxHxD | fwd ms | fwd+bwd ms | fwd GB/s | floor / fwd | vs chunk (fwd / fwd+bwd) |"
+    print("| impl | BxTxHxD[xHv] | fwd ms | fwd+bwd ms | fwd GB/s | floor / fwd | vs chunk (fwd / fwd+bwd) |"
           + (" peak GiB |" if FLAGS.peak_memory else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if FLAGS.peak_memory else ""))
     for size in FLAGS.sizes:
-        B, T, H, D = (int(x) for x in size.split("x"))
-        args = make_inputs(FLAGS.rule, B, T, H, D, dtype)
-        floor_ms = floor_bytes(B, T, H, D, dtype, FLAGS.rule) / (FLAGS.bandwidth_gbs * 1e9) * 1e3
+        B, T, H, D, *value_heads = (int(x) for x in size.split("x"))
+        Hv = value_heads[0] if value_heads else H
+        args = make_inputs(FLAGS.rule, B, T, H, D, dtype, Hv=Hv)
+        total_bytes = floor_bytes(B, T, H, D, dtype, FLAGS.rule, Hv=Hv)
+        floor_ms = total_bytes / (FLAGS.bandwidth_gbs * 1e9) * 1e3
         chunk_times = None
         for impl in FLAGS.impls:
             if impl == "scan" and B * T > FLAGS.max_scan_tokens:
@@ -148,7 +154,7 @@ def main(argv):
                 speedup = f"{chunk_times[0] / fwd:.1f}x"
                 if bwd is not None and chunk_times[1] is not None:
                     speedup += f" / {chunk_times[1] / bwd:.1f}x"
-            gbs = floor_bytes(B, T, H, D, dtype, FLAGS.rule) / (fwd * 1e-3) / 1e9
+            gbs = total_bytes / (fwd * 1e-3) / 1e9
             peak = ""
             if FLAGS.peak_memory:
                 stats = device.memory_stats() or {}

@@ -15,8 +15,9 @@ chunk size 64, at most `MAX_BATCH_HEADS` batch x value-head pairs. For the delta
 reverse passes (from 32 value heads per call; the Triton ones below) and its chunk-parallel gradient kernel in
 Mosaic GPU; the gates and per-token vectors around them are two small Triton kernels (`mosaic_vectors.py`).
 `supports_mosaic`: the GPU backend on a compute capability 9.x device, the delta rule with no or a scalar decay,
-bfloat16 q/k/v, K = V = 128, Hv == H, chunk size 64. "auto" prefers it over "pallas" (`MOSAIC_PRIORITY`): measured
-as fast or faster forward and forward+backward at every size timed (docs/benchmarks.md).
+bfloat16 q/k/v, K = V = 128, Hv a multiple of H, chunk size 64. "auto" prefers it over "pallas"
+(`MOSAIC_PRIORITY`): measured as fast or faster forward and forward+backward at every size timed
+(docs/benchmarks.md).
 
 On a machine without a GPU the same kernels run in Pallas's interpreter through `wy_chunk.chunk_wy(...,
 interpret=True)` and `kda.kda_chunk(..., interpret=True)`; the dispatch never picks them there.
@@ -84,7 +85,7 @@ def supports_mosaic(call: dispatch.RuleCall) -> bool:
     """The Mosaic GPU forward (`mosaic_wy.chunk_wy_mosaic`): what its argument checks accept, on Hopper."""
     if call.platform != "gpu" or call.op != "delta_rule" or call.decay not in ("none", "scalar"):
         return False
-    if call.dtype != "bfloat16" or call.chunk_size != mosaic_wy.CHUNK or call.key_heads != call.value_heads:
+    if call.dtype != "bfloat16" or call.chunk_size != mosaic_wy.CHUNK or call.value_heads % call.key_heads:
         return False
     if call.key_dim != mosaic_wy.HEAD_DIM or call.value_dim != mosaic_wy.HEAD_DIM:
         return False

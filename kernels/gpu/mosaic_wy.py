@@ -29,7 +29,8 @@ Per chunk (C = 64, K = 128, BV = 64), with the wgmma shapes M x N x K:
     S  = carry_C exp(G_C) S_0 + k^T @ (tail exp(G_C - G) (.) u)
                                       2 x (128 x 64 x 64), k^T a transposed SMEM view         (6)
 
-Inputs are bf16 q/k/v with K = V = 128 and Hv == H (no key-head sharing yet); the per-token scalars carry
+Inputs are bf16 q/k/v with K = V = 128; Hv value heads, a multiple of the H key heads (the kernels read value
+head h's q and k at key head h // (Hv / H); T, beta and the gates are per value head); the per-token scalars carry
 exp(G), tail exp(G_C - G), the chunk survival factor and the document masks are computed in XLA as in
 `wy_chunk.chunk_wy`. Differentiated (a `custom_vjp`), the pass also writes what the backward reads (every chunk's
 start state, and u as its bf16 pair, by TMA from the operand tiles); the backward is the Mosaic reverse pass
@@ -454,11 +455,12 @@ def _in_specs(cfg, block_v, nt, reverse):
             vector(), vector(), vector(), vector(), vector(), vector(K), vector(), vector(), vector(), vector()]
 
 
-def _pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b, h, bh, v_cols):
-    """The GMEM refs the pipeline walks for value head bh = b * Hv + h, in `_in_specs`' order."""
-    return (q_ref.at[b, :, h, :], k_ref.at[b, :, h, :], v_ref.at[b, :, h, v_cols], t_ref.at[0, b, :, h, :],
-            t_ref.at[1, b, :, h, :], vec_ref.at[0, bh], vec_ref.at[1, bh], vec_ref.at[2, bh], vec_ref.at[3, bh],
-            vec_ref.at[4, bh], survive_ref.at[bh], vec_ref.at[0, bh], vec_ref.at[1, bh], doc_ref.at[b], doc_ref.at[b])
+def _pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b, h, bh, v_cols, key_head):
+    """The GMEM refs the pipeline walks for value head bh = b * Hv + h (whose q and k are those of `key_head`), in
+    `_in_specs`' order."""
+    return (q_ref.at[b, :, key_head, :], k_ref.at[b, :, key_head, :], v_ref.at[b, :, h, v_cols],
+            t_ref.at[0, b, :, h, :], t_ref.at[1, b, :, h, :], *(vec_ref.at[row, bh] for row in range(5)),
+            survive_ref.at[bh], vec_ref.at[0, bh], vec_ref.at[1, bh], doc_ref.at[b], doc_ref.at[b])
 
 
 def _chunk_tiles(out_refs, kinds, b, h, i, cols):
@@ -476,10 +478,11 @@ def _split_refs(refs, kinds):
     return refs[:7], refs[7], refs[8], refs[9:n], list(refs[n:])
 
 
-def _pass_body(*refs, step, kinds, reverse, nt, num_heads, cfg):
+def _pass_body(*refs, step, kinds, reverse, nt, num_heads, group, cfg):
     """One CTA of one warpgroup: value head bh = b * Hv + h, V block j; walks the chunks in order (`reverse`: last
     first) with its state block in registers, s = step(tiles, inputs, s, out_tiles) per chunk. The GMEM inputs:
-    q, k (B, Tp, H, K); v (or dO) (B, Tp, Hv, V); T as bf16 (hi, lo) stacked on a leading axis
+    q, k (B, Tp, H, K), read at key head h // `group` (Hv = group * H value heads share a key head); v (or dO)
+    (B, Tp, Hv, V); T as bf16 (hi, lo) stacked on a leading axis
     (2, B, Tp, Hv, C); the vector rows G hi, G lo, beta, carry exp(G), tail exp(G_C - G) (each (B*Hv, Tp)); the
     document index as fp32 (B, Tp); the chunk survival factor repeated K times per chunk (B*Hv, nt*K).
 
@@ -504,12 +507,12 @@ def _pass_body(*refs, step, kinds, reverse, nt, num_heads, cfg):
 
     pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(cfg, cfg.block_v, nt, reverse),
                                    max_concurrent_steps=cfg.stages, init_carry=s0)
-    last = pipeline(*_pipeline_refs(*inputs, b, h, bh, cols))
+    last = pipeline(*_pipeline_refs(*inputs, b, h, bh, cols, h // group))
     last_ref.at[b, h, :, cols][...] = last
     plgpu.wait_smem_to_gmem(0)
 
 
-def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, cfg):
+def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, group, cfg):
     """`_pass_body` with one CTA per value head: two consumer warpgroups, each with the state block of one half of
     V (BV = 64 of 128), and a producer warpgroup streaming the chunk inputs through TMA
     (`emit_pipeline_warp_specialized`). q, k, T and the vectors are loaded once for both halves. Each consumer has
@@ -536,7 +539,7 @@ def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, cfg):
     pipeline = plgpu.emit_pipeline_warp_specialized(
         chunk, grid=(nt,), in_specs=_in_specs(cfg, HEAD_DIM, nt, reverse), max_concurrent_steps=cfg.stages,
         memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=2, compute_context=consumer)
-    pipeline(*_pipeline_refs(*inputs, b, h, bh, slice(None)))
+    pipeline(*_pipeline_refs(*inputs, b, h, bh, slice(None), h // group))
 
 
 def _tile_shapes(cfg, two_pairs, reverse):
@@ -557,11 +560,11 @@ def _unpack_tiles(cfg, scratch, two_pairs, reverse):
     return _Tiles(**fields)
 
 
-def _pass_kernel(cfg, step, kinds, out_type, dtype, *, reverse, nt, batch, num_heads, interpret, name):
+def _pass_kernel(cfg, step, kinds, out_type, dtype, *, reverse, nt, batch, num_heads, group, interpret, name):
     """The `plgpu.kernel` of a sequential pass (`_pass_body`, or `_pass_body_shared_head` with
-    `Config.warpgroups=2`) over `batch` rows of `num_heads` value heads. `out_type`: the state it ends with, then
-    the per-chunk outputs (`kinds`); `dtype`: that of the forward's output tile."""
-    body = dict(step=step, kinds=kinds, reverse=reverse, nt=nt, num_heads=num_heads, cfg=cfg)
+    `Config.warpgroups=2`) over `batch` rows of `num_heads` value heads, `group` of them per key head. `out_type`:
+    the state it ends with, then the per-chunk outputs (`kinds`); `dtype`: that of the forward's output tile."""
+    body = dict(step=step, kinds=kinds, reverse=reverse, nt=nt, num_heads=num_heads, group=group, cfg=cfg)
     interpret = plgpu.InterpretGPUParams() if interpret else False
     batch_heads = batch * num_heads
     shared = cfg.warpgroups == 2
@@ -582,9 +585,10 @@ def _pass_kernel(cfg, step, kinds, out_type, dtype, *, reverse, nt, batch, num_h
 def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, segmented, interpret,
                   with_states=False, with_u=True):
     """(o, final state), and `with_states` every chunk's start state (bf16, (B, H, nt*K, V)) and (`with_u`) u as
-    its bf16 (hi, lo) halves (two (B, Tp, H, V) arrays), the residuals of the backward."""
-    B, Tp, H, K = q.shape
-    V = v.shape[-1]
+    its bf16 (hi, lo) halves (two (B, Tp, H, V) arrays), the residuals of the backward. H is v's heads (Hv), a
+    multiple of q's."""
+    B, Tp, _, K = q.shape
+    H, V = v.shape[2:]
     # The final state, then the per-chunk outputs (`_pass_body`'s order).
     out_type = (jax.ShapeDtypeStruct((B, H, K, V), F32), jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype))
     kinds = ("tokens",)
@@ -596,7 +600,7 @@ def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, seg
         kinds += ("tokens", "tokens")
     step = functools.partial(_forward_step, cfg, scale=scale, segmented=segmented)
     kernel = _pass_kernel(cfg, step, kinds, out_type, v.dtype, reverse=False, nt=Tp // CHUNK, batch=B, num_heads=H,
-                          interpret=interpret, name="wy_forward_mosaic")
+                          group=H // q.shape[2], interpret=interpret, name="wy_forward_mosaic")
     final, o, *saved = kernel(q, k, v, t_pair, vectors, doc, survive, h0)
     return (o, final, *saved)
 
@@ -604,20 +608,21 @@ def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, seg
 def _reverse_pass(cfg, q, k, do, t_pair, vectors, doc, survive, dfinal, *, scale, segmented, interpret):
     """`wy_chunk._reverse_pass` with `dx_pair` in Mosaic GPU: (dL/d(initial state) (B, H, K, V) fp32, every
     chunk's end-state cotangent (bf16, (B, H, nt*K, V)), dx's bf16 (hi, lo) halves (B, Tp, H, V) each). The
-    inputs are the forward pass's (`_pass_inputs`), dO (bf16) in place of v."""
-    B, Tp, H, K = q.shape
-    V = do.shape[-1]
+    inputs are the forward pass's (`_pass_inputs`), dO (bf16) in place of v. H is dO's heads (Hv)."""
+    B, Tp, _, K = q.shape
+    H, V = do.shape[2:]
     out_type = (jax.ShapeDtypeStruct((B, H, K, V), F32), jax.ShapeDtypeStruct((B, H, Tp // CHUNK * K, V), BF16),
                 *(jax.ShapeDtypeStruct((B, Tp, H, V), BF16),) * 2)
     step = functools.partial(_reverse_step, cfg, scale=scale, segmented=segmented)
     kernel = _pass_kernel(cfg, step, ("states", "tokens", "tokens"), out_type, do.dtype, reverse=True,
-                          nt=Tp // CHUNK, batch=B, num_heads=H, interpret=interpret, name="wy_reverse_mosaic")
+                          nt=Tp // CHUNK, batch=B, num_heads=H, group=H // q.shape[2], interpret=interpret,
+                          name="wy_reverse_mosaic")
     dh0, dends, dx_hi, dx_lo = kernel(q, k, do, t_pair, vectors, doc, survive, dfinal)
     return dh0, dends, (dx_hi, dx_lo)
 
 
-def _triton_config(q, *, scale, segmented, interpret):
-    return wy_chunk.default_config(q, q, scale=scale, chunk_size=CHUNK, delta=True, segmented=segmented,
+def _triton_config(q, v, *, scale, segmented, interpret):
+    return wy_chunk.default_config(q, v, scale=scale, chunk_size=CHUNK, delta=True, segmented=segmented,
                                    interpret=interpret)
 
 
@@ -649,10 +654,10 @@ def _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, *, segmented, int
     return g, t_fp32, (t_pair, vectors, doc_f, survive)
 
 
-def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segmented, interpret):
+def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segmented, interpret, v=None):
     """The forward pass's inputs after q, k, v: T's bf16 pair, the vectors, the document index and the survival
-    factors (`_prologue`)."""
-    tcfg = _triton_config(q, scale=scale, segmented=segmented, interpret=interpret)
+    factors (`_prologue`). `v` (its shape only) where value heads outnumber q's."""
+    tcfg = _triton_config(q, q if v is None else v, scale=scale, segmented=segmented, interpret=interpret)
     return _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, segmented=segmented, interpret=interpret)[2]
 
 
@@ -781,9 +786,9 @@ def _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size):
         raise ValueError(f"q/k head dim K must be {HEAD_DIM} (the only size supported), got {K}")
     if v.ndim != 4 or v.shape[:2] != (B, T):
         raise ValueError(f"v must have shape (B, T, Hv, V) matching q, got {v.shape}")
-    if v.shape[2] != H:
-        raise ValueError(f"value heads Hv must equal key heads H (key-head sharing is not supported yet), got "
-                         f"Hv={v.shape[2]}, H={H}")
+    if v.shape[2] % H:
+        raise ValueError(f"value heads Hv must be a multiple of the key heads H (groups of Hv/H value heads share a "
+                         f"key head), got Hv={v.shape[2]}, H={H}")
     if v.shape[3] != HEAD_DIM:
         raise ValueError(f"v head dim V must be {HEAD_DIM} (the only size supported), got {v.shape[3]}")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -791,13 +796,15 @@ def _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size):
             raise ValueError(f"{name} must be bfloat16 (the only input dtype supported), got {x.dtype}")
     if beta is None:
         raise ValueError("beta is None (linear attention) is not supported: the Mosaic path is the delta rule only")
-    if beta.shape != (B, T, H):
-        raise ValueError(f"beta must have shape (B, T, Hv) = {(B, T, H)}, got {beta.shape}")
-    if log_decay is not None and log_decay.shape != (B, T, H):
-        raise ValueError(f"log_decay must be a scalar decay per token and head, shape {(B, T, H)} "
+    Hv = v.shape[2]
+    if beta.shape != (B, T, Hv):
+        raise ValueError(f"beta must have shape (B, T, Hv) = {(B, T, Hv)}, got {beta.shape}")
+    if log_decay is not None and log_decay.shape != (B, T, Hv):
+        raise ValueError(f"log_decay must be a scalar decay per token and value head, shape {(B, T, Hv)} "
                          f"(per-key decay, KDA, is not supported), got {log_decay.shape}")
-    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[3]):
-        raise ValueError(f"initial_state must have shape {(B, H, K, v.shape[3])}, got {initial_state.shape}")
+    if initial_state is not None and initial_state.shape != (B, Hv, K, v.shape[3]):
+        raise ValueError(f"initial_state must have shape (B, Hv, K, V) = {(B, Hv, K, v.shape[3])}, got "
+                         f"{initial_state.shape}")
     if chunk_size != CHUNK:
         raise ValueError(f"chunk_size must be {CHUNK} (the only size supported), got {chunk_size}")
 
@@ -805,7 +812,7 @@ def _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size):
 def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64, interpret=None,
                     config=None):
     """Gated DeltaNet forward (o, final_state) with the sequential pass in Mosaic GPU; the signature of
-    `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K = V = 128, Hv == H, scalar or no decay, any T, optional
+    `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K = V = 128, Hv a multiple of H, scalar or no decay, any T, optional
     initial state and segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
     kernel in the Mosaic GPU interpreter; `config`: a `Config` (default `default_config()`). Differentiated: the
     reverse pass (Mosaic GPU's from 32 value heads per call on, `Config.mosaic_reverse`), then the gradient kernel

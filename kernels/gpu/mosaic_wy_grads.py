@@ -50,7 +50,9 @@ The products, M x N x K:
 
 Every fp32 operand thus enters in the "split" mode (~2^-16 relative per product): the Triton "merged" kernel's
 `grad_dots`, and finer than its default `grad_k_dots` "bf16" (which rounds the operands of dk's state and dA_k
-terms to bf16). Supported: bf16 q/k/v, K = V = 128, Hv == H, C = 64. SMEM: 225 KiB, one CTA per SM.
+terms to bf16). Supported: bf16 q/k/v, K = V = 128, C = 64, Hv value heads a multiple of the H key heads (value
+head h reads q and k at key head h // (Hv / H) and writes its own dq and dk in fp32, which `grads` sums over the
+heads sharing a key head). SMEM: 225 KiB, one CTA per SM.
 """
 
 from __future__ import annotations
@@ -78,14 +80,16 @@ ROW_VECTORS = ("g_hi", "g_lo", "beta", "from_start", "to_end", "doc")
 COL_VECTORS = ("g_hi", "g_lo", "doc")
 
 
-def _grad_body(*refs, scale, num_heads, segmented, threads, u_from_t):
-    """One chunk i of value head bh = b * H + h, two warpgroups w = 0, 1 (`_warpgroup`). The GMEM inputs: q, k, v,
-    dO; u's bf16 (hi, lo) halves (B, Tp, H, V) each, or (`u_from_t`) T's bf16 pair (2, B, Tp, H, C), from which the
-    kernel forms u itself; dx's halves; the start states and end-state cotangents; vec_ref: `token_vectors`
-    (6, B*H, Tp). Outputs: dq, dk, dv (B, Tp, H, 128) bf16; each warpgroup's share of dbeta, of dL/dG's per-token
-    terms and of the end terms (2, B*H, Tp) fp32, and of the survival row sums (2, B*H, nt*K). SMEM: the inputs by
-    V half (u_s, x_s: [half, hi/lo]), the dP and dA_k pairs (p_s, a_s: [hi/lo]), a tile of ones, the vectors.
-    With `u_from_t`, T's pair arrives in the tiles of u's second half (`_warpgroup`)."""
+def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t):
+    """One chunk i of value head bh = b * Hv + h (`num_heads` = Hv), two warpgroups w = 0, 1 (`_warpgroup`). The
+    GMEM inputs: q, k (B, Tp, H, K), read at key head h // `group`; v, dO; u's bf16 (hi, lo) halves (B, Tp, Hv, V)
+    each, or (`u_from_t`) T's bf16 pair (2, B, Tp, Hv, C), from which the kernel forms u itself; dx's halves; the
+    start states and end-state cotangents; vec_ref: `token_vectors` (6, B*Hv, Tp). Outputs: dq, dk (B, Tp, Hv, K),
+    bf16, or fp32 where `group` > 1 (`grads` sums them over the group); dv (B, Tp, Hv, V) bf16; each warpgroup's
+    share of dbeta, of dL/dG's per-token terms and of the end terms (2, B*Hv, Tp) fp32, and of the survival row sums
+    (2, B*Hv, nt*K). SMEM: the inputs by V half (u_s, x_s: [half, hi/lo]), the dP and dA_k pairs (p_s, a_s:
+    [hi/lo]), a tile of ones, the vectors. With `u_from_t`, T's pair arrives in the tiles of u's second half
+    (`_warpgroup`)."""
     n_in = 10 if u_from_t else 11
     inputs, outputs, tiles = refs[:n_in], refs[n_in:n_in + 7], refs[n_in + 7:]
     if u_from_t:
@@ -107,6 +111,7 @@ def _grad_body(*refs, scale, num_heads, segmented, threads, u_from_t):
     bh = lax.axis_index("head")
     wg = lax.axis_index("wg") if threads == 2 else 0
     b, h = bh // num_heads, bh % num_heads
+    key_head = h // group
     tokens = pl.ds(i * CHUNK, CHUNK)
     state_rows = pl.ds(i * HEAD_DIM, HEAD_DIM)
     halves = [pl.ds(j * HALF, HALF) for j in range(2)]
@@ -114,7 +119,7 @@ def _grad_body(*refs, scale, num_heads, segmented, threads, u_from_t):
     @pl.when(wg == 0)
     def _issue_loads():
         # Two groups of copies: what both warpgroups start with, then dO and q (first read by the dP product).
-        first = [(k_ref.at[b, tokens, h, :], k_s)]
+        first = [(k_ref.at[b, tokens, key_head, :], k_s)]
         first += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in row_vec.items()]
         first += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in col_vec.items()]
         for j, cols in enumerate(halves):
@@ -126,7 +131,7 @@ def _grad_body(*refs, scale, num_heads, segmented, threads, u_from_t):
         if u_from_t:  # T's pair in the tiles of u's second half, until u is formed (`_warpgroup`)
             first += [(t_ref.at[part, b, tokens, h, :], u_s.at[1, part]) for part in range(2)]
         second = [(do_ref.at[b, tokens, h, cols], do_s.at[j]) for j, cols in enumerate(halves)]
-        second.append((q_ref.at[b, tokens, h, :], q_s))
+        second.append((q_ref.at[b, tokens, key_head, :], q_s))
         for group, barrier in ((first, first_loads), (second, second_loads)):
             for src, dst in group:
                 plgpu.copy_gmem_to_smem(src, dst, barrier)
@@ -352,23 +357,28 @@ def as_pair(x):
 def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale, segmented, interpret, vectors=None,
           survive=None, t_pair=None):
     """(dq, dk, dv, dbeta, d(log_decay)) of every chunk, as `wy_chunk._grads` returns them for "merged": padded
-    inputs (Tp a multiple of 64), g = [hi, lo] in-chunk gates, starts / dends (B, H, nt*K, V) bf16, do bf16, u and
-    dx each as its bf16 (hi, lo) halves (B, Tp, H, V) (fp32 arrays are split in XLA, `as_pair`). u None: the kernel
-    forms u = T diag(beta) (v - carry exp(G) (.) K S_0) itself from `t_pair`, T's bf16 pair (2, B, Tp, H, C), as
-    the Mosaic forward pass does (S_0 as bf16 in K S_0). `vectors`: the kernel's `token_vectors` (6, B*H, Tp) where
-    made already (`mosaic_vectors.prologue`); `survive`: that prologue's survival factors (B*H, nt*K), which send
-    the warpgroups' shares to `mosaic_vectors.epilogue` for dbeta and d(log_decay) instead of XLA."""
+    inputs (Tp a multiple of 64), q, k (B, Tp, H, K) and v (B, Tp, Hv, V) with Hv a multiple of H, g = [hi, lo]
+    in-chunk gates, starts / dends (B, Hv, nt*K, V) bf16, do bf16, u and dx each as its bf16 (hi, lo) halves
+    (B, Tp, Hv, V) (fp32 arrays are split in XLA, `as_pair`). u None: the kernel forms u = T diag(beta) (v -
+    carry exp(G) (.) K S_0) itself from `t_pair`, T's bf16 pair (2, B, Tp, Hv, C), as the Mosaic forward pass does
+    (S_0 as bf16 in K S_0). `vectors`: the kernel's `token_vectors` (6, B*Hv, Tp) where made already
+    (`mosaic_vectors.prologue`); `survive`: that prologue's survival factors (B*Hv, nt*K), which send the
+    warpgroups' shares to `mosaic_vectors.epilogue` for dbeta and d(log_decay) instead of XLA. dq and dk are summed
+    over the value heads of each key head (in fp32, then rounded once to q's dtype)."""
     u_from_t = u is None
     if u_from_t and t_pair is None:
-        raise ValueError("grads: u is None, so t_pair (T's bf16 pair, (2, B, Tp, H, 64)) is needed to form it")
+        raise ValueError("grads: u is None, so t_pair (T's bf16 pair, (2, B, Tp, Hv, 64)) is needed to form it")
     u_inputs = (t_pair,) if u_from_t else as_pair(u)
     dx = as_pair(dx)
-    B, Tp, H, K = q.shape
-    V = v.shape[-1]
+    B, Tp, key_heads, K = q.shape
+    H, V = v.shape[2:]  # the value heads: the kernel's grid and every per-head array below
+    group = H // key_heads
     nt = Tp // CHUNK
     vectors = token_vectors(g, beta, carry, tail, doc) if vectors is None else vectors
     bh_vector = jax.ShapeDtypeStruct((2, B * H, Tp), F32)  # one share per warpgroup
-    out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+    # dq and dk per value head; in fp32 where a group's are summed below, so that they are rounded once.
+    dqk_dtype = q.dtype if group == 1 else F32
+    out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), dqk_dtype), jax.ShapeDtypeStruct((B, Tp, H, K), dqk_dtype),
                 jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), bh_vector, bh_vector, bh_vector,
                 jax.ShapeDtypeStruct((2, B * H, nt * K), F32))
     # Two warpgroups compiled. The interpreter runs each Pallas thread as a computation of its own, and on few CPU
@@ -376,7 +386,7 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     # warpgroup runs both roles in turn (the same SMEM handoffs, no barriers between the roles).
     threads = 1 if interpret else 2
     kernel = plgpu.kernel(
-        functools.partial(_grad_body, scale=scale, num_heads=H, segmented=segmented, threads=threads,
+        functools.partial(_grad_body, scale=scale, num_heads=H, group=group, segmented=segmented, threads=threads,
                           u_from_t=u_from_t),
         out_type=out_type, scratch_types=_scratch_types(u_from_t), grid=(nt, B * H), grid_names=("chunk", "head"),
         num_threads=threads, thread_name="wg",
@@ -385,6 +395,8 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
         interpret=plgpu.InterpretGPUParams() if interpret else False,
         kernel_name="wy_grads_mosaic")
     dq, dk, dv, *shares = kernel(q, k, v, do, *u_inputs, *dx, starts, dends, vectors)
+    if group > 1:
+        dq, dk = (x.reshape(B, Tp, key_heads, group, K).sum(3).astype(q.dtype) for x in (dq, dk))
     if survive is not None:
         dbeta, dlog = mosaic_vectors.epilogue(*shares, survive, num_heads=H, interpret=interpret)
         return dq, dk, dv, dbeta, dlog

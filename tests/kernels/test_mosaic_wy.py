@@ -194,6 +194,18 @@ def _grads(fn, x):
     return dict(zip(names, jax.grad(loss, argnums=tuple(range(len(names))))(*[x[n] for n in names])))
 
 
+def _check_grads(x, config):
+    """Every gradient of the call with `config` against the fp32 scan's on the same bf16-rounded inputs."""
+    reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
+    grads = _grads(functools.partial(chunk_wy_mosaic, config=config), x)
+    grads_ref = _grads(recurrent_scan, reference)
+    for name, tol in GRAD_TOLS.items():
+        if name in grads:
+            error = relative_error(grads[name], grads_ref[name])
+            print(f"d{name} {error:.2e}")
+            assert grads[name].shape == x[name].shape and error <= tol, (name, error)
+
+
 @pytest.mark.parametrize("packed,config", [(False, "default"), (True, "default"), (True, "shared_head"),
                                            (True, "triton_forward"), (True, "triton_reverse")])
 def test_gradients_match_scan_in_interpreter(packed, config):
@@ -201,17 +213,28 @@ def test_gradients_match_scan_in_interpreter(packed, config):
     Mosaic gradient kernel run (interpreted here; "triton_forward" / "triton_reverse": the Triton pass instead):
     every gradient against the fp32 scan's, T not a multiple of the chunk, beta up to 2, initial state."""
     x = _bf16_inputs(fresh_key(), B=1, T=100, H=2, beta_max=2.0, packed=packed, with_initial_state=True)
-    reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
     cfg = {"triton_forward": dataclasses.replace(_INTERPRETED, mosaic_forward=False),
            "triton_reverse": dataclasses.replace(_INTERPRETED, mosaic_reverse=False)}.get(config)
-    cfg = cfg or INTERPRETED_CONFIGS[config]
-    grads = _grads(functools.partial(chunk_wy_mosaic, config=cfg), x)
-    grads_ref = _grads(recurrent_scan, reference)
-    for name, tol in GRAD_TOLS.items():
-        if name in grads:
-            error = relative_error(grads[name], grads_ref[name])
-            print(f"d{name} {error:.2e}")
-            assert grads[name].shape == x[name].shape and error <= tol, (name, error)
+    _check_grads(x, cfg or INTERPRETED_CONFIGS[config])
+
+
+@pytest.mark.parametrize("config", ["default", "shared_head"])
+def test_grouped_value_heads_match_scan_in_interpreter(config):
+    """Hv = 2H: value heads 2j and 2j + 1 read key head j's q and k (two key heads, so that a wrong key head shows),
+    with their own beta, decay, state and T; packed documents, initial state, T not a multiple of the chunk."""
+    x = _bf16_inputs(fresh_key(), B=1, T=100, H=2, Hv=4, beta_max=2.0, packed=True, with_initial_state=True)
+    _check(x, config=INTERPRETED_CONFIGS[config])
+
+
+@pytest.mark.parametrize("config", ["default", "triton_passes"])
+def test_grouped_value_heads_gradients_match_scan_in_interpreter(config):
+    """Hv = 2H differentiated: the gradient kernel reads q and k at the key head and writes dq and dk per value
+    head in fp32, summed over the two value heads of each key head ("triton_passes": the Triton forward and reverse
+    passes, which the call runs below 32 value heads, around the Mosaic gradient kernel)."""
+    x = _bf16_inputs(fresh_key(), B=1, T=100, H=2, Hv=4, beta_max=2.0, packed=True, with_initial_state=True)
+    cfg = (dataclasses.replace(_INTERPRETED, mosaic_forward=False, mosaic_reverse=False) if config == "triton_passes"
+           else _INTERPRETED)
+    _check_grads(x, cfg)
 
 
 def test_recomputed_u_gives_the_gradients_of_saved_u_in_interpreter():
@@ -270,7 +293,7 @@ def test_saved_states_match_the_triton_pass_in_interpreter():
     (dict(K=64, V=64), "K must be 128"),
     (dict(V=64), "V must be 128"),
     (dict(dtype=jnp.float32), "q must be bfloat16"),
-    (dict(H=1, Hv=2), "Hv must equal key heads H"),
+    (dict(H=2, Hv=3), "Hv must be a multiple of the key heads H"),
     (dict(decay="vector"), "log_decay"),
     (dict(op="linear_attention"), "beta is None"),
     (dict(chunk_size=32), "chunk_size must be 64"),
@@ -338,9 +361,10 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
     monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: True)
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL)
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(decay="none", has_initial_state=False))
+    assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(value_heads=8))  # two value heads per key head
     for change in (dict(platform="cpu"), dict(platform="tpu"), dict(op="linear_attention"), dict(decay="channel"),
                    dict(dtype="float32"), dict(dtype="float16"), dict(key_dim=64), dict(value_dim=256),
-                   dict(value_heads=8), dict(chunk_size=32)):
+                   dict(value_heads=6), dict(chunk_size=32)):
         assert not pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(**change)), change
     implementation = dispatch.implementations("delta_rule")["mosaic"]
     assert not implementation.forward_only and implementation.fn is pallas_gpu.mosaic_delta_rule
@@ -387,6 +411,34 @@ def test_lowers_for_cuda(segmented, init, config):
     with jax.sharding.use_abstract_mesh(H100):
         text = fn.trace(q, q, q, gate, gate, h0, ids).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
+
+
+@pytest.mark.parametrize("config", ["default", "shared_head", "block_v32"])
+def test_grouped_value_heads_lower_for_cuda(config):
+    """Hv = 2H, the call and its gradient lowered for an abstract H100: the passes and the gradient kernel
+    index q and k by key head (one Mosaic GPU call forward, three in the gradient)."""
+    B, T, H, Hv = 1, 130, 2, 4
+    cfg = GPU_CONFIGS[config]
+    q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((B, T, Hv, D), jnp.bfloat16)
+    gate = jax.ShapeDtypeStruct((B, T, Hv), jnp.float32)
+    h0 = jax.ShapeDtypeStruct((B, Hv, D, D), jnp.float32)
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def call(q, k, v, beta, log_decay, h0, ids):
+        return chunk_wy_mosaic(q, k, v, beta, log_decay, scale=0.1, initial_state=h0, segment_ids=ids,
+                               interpret=False, config=cfg)
+
+    def loss(*args):
+        o, s = call(*args)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    with jax.sharding.use_abstract_mesh(H100):
+        forward = jax.jit(call).trace(q, q, v, gate, gate, h0, ids).lower(lowering_platforms=("cuda",)).as_text()
+        gradient = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))).trace(q, q, v, gate, gate, h0, ids).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert forward.count("custom_call @mosaic_gpu_v2") == 1
+    assert gradient.count("custom_call @mosaic_gpu_v2") == 3
 
 
 @pytest.mark.parametrize("config", ["default", "shared_head", "block_v32", "state_split", "triton_forward",
@@ -459,14 +511,18 @@ def test_gpu_gradients_match_scan(packed, config):
     only, the Mosaic reverse pass and gradient kernel; or the Triton forward or reverse pass in their place)
     against the fp32 scan's."""
     x = _bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=packed, with_initial_state=True)
-    reference = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
     cfg = {"block_v32": GPU_CONFIGS["block_v32"], "shared_head": GPU_CONFIGS["shared_head"], "block_v64": _COMPILED,
            "triton_forward": dataclasses.replace(_COMPILED, mosaic_forward=False),
            "triton_reverse": dataclasses.replace(_COMPILED, mosaic_reverse=False),
            "recompute_u": dataclasses.replace(GPU_CONFIGS["shared_head"], recompute_u=True)}[config]
-    grads = _grads(functools.partial(chunk_wy_mosaic, config=cfg), x)
-    grads_ref = _grads(recurrent_scan, reference)
-    for name, tol in GRAD_TOLS.items():
-        error = relative_error(grads[name], grads_ref[name])
-        print(f"d{name} {error:.2e}")
-        assert error <= tol, (name, error)
+    _check_grads(x, cfg)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config", ["block_v32", "shared_head"])
+def test_gpu_grouped_value_heads_match_scan(config):
+    """Compiled, Hv = 2H (four key heads, eight value heads): the output, the final state and every gradient
+    against the fp32 scan's, packed documents and an initial state."""
+    x = _bf16_inputs(fresh_key(), B=2, T=1000, H=4, Hv=8, beta_max=2.0, packed=True, with_initial_state=True)
+    _check(x, config=GPU_CONFIGS[config])
+    _check_grads(x, GPU_CONFIGS[config])

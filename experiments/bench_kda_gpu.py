@@ -63,7 +63,14 @@ VARIANTS = {
     "warps2": dict(warps=2),
     "warps8": dict(warps=8),
     "reverse_warps8": dict(reverse_warps=8),
-    "pass_stages2": dict(pass_stages=2),  # with stored operands: 295 KB of shared memory asked, fails on the H100
+    # Two pipeline stages in the passes: at BV 64 with stored operands 295 KB of shared memory asked (fails on the
+    # H100); at BV 16 they fit (the default where that leaves at most one program per SM, `kda.NARROW_PASS_STAGES`).
+    "pass_stages1": dict(pass_stages=1),
+    "pass_stages2": dict(pass_stages=2),
+    "pass_stages2_heads_first": dict(pass_stages=2, grid_order="heads"),
+    "pass_stages2_warps2": dict(pass_stages=2, warps=2, reverse_warps=2),
+    "pass_stages2_warps8": dict(pass_stages=2, warps=8, reverse_warps=8),
+    "bv32_stages2": dict(block_v=32, pass_stages=2),  # one program per SM at 2x8192x16x128
     "split_forward": dict(forward="split"),  # a pass carrying only the state, then the output chunk-parallel
     "split_forward_obv32": dict(forward="split", output_block_v=32),
     "split_forward_obv128": dict(forward="split", output_block_v=128),

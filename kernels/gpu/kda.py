@@ -90,7 +90,7 @@ from deltajax.kernels.gpu.common import chunk_parallel_call as _chunk_parallel_c
 from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import last as _last
-from deltajax.kernels.gpu.common import sequential_block_v
+from deltajax.kernels.gpu.common import MIN_SEQUENTIAL_PROGRAMS, sequential_block_v
 from deltajax.kernels.gpu.common import split_bf16 as _split_bf16
 from deltajax.kernels.gpu.common import split_pair_dot as _split_pair_dot
 from deltajax.kernels.gpu.common import unit_lower_inverse as _unit_lower_row_inverse
@@ -1457,6 +1457,14 @@ BLOCK_V = 64  # the widest V block of the sequential passes (`common.sequential_
 # backward 38.5-38.6 -> 37.5-37.6 ms; at 2x8192x16x128 17.87 -> 17.78 ms (H100, 2026-11-25).
 KDA_NARROWEST_BLOCK_V = 16
 GRAD_BLOCK_V = 32
+# Software-pipeline depth of the passes where a V block of 16 or 32 gives them at most one program per SM, for
+# bfloat16 inputs, K <= 128 and C <= 64 (four stored bf16 operand tiles of C x K per chunk, which two stages fit in
+# shared memory, leaving room for no second program); elsewhere 1 (at BV 64 two stages asked for 295 KB). H100,
+# 2026-11-27, `bench_kda_gpu.py` (docs/kernels.md, "KDA: two pipeline stages in the narrow passes"):
+# 1x32768x16x128, BV 16 (128 programs), 1 -> 2 stages: forward / forward+backward 4.57 / 15.13 -> 3.90-4.02 /
+# 13.53-13.65 ms; 2x8192x16x128, BV 16 (256 programs) one stage 1.84 / 6.66-6.96, two 2.19 / 7.10, BV 32 (128
+# programs) two stages 1.56 / 6.17.
+NARROW_PASS_STAGES = 2
 
 
 def default_config(q, v, *, scale, chunk_size, segmented, interpret):
@@ -1472,15 +1480,24 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
     V = _pow2_at_least_16(v.shape[3])
     fp32 = jnp.dtype(q.dtype) == jnp.float32
     dots = "highest" if fp32 else "split"
-    tolerant = "bf16" if jnp.dtype(q.dtype) == jnp.bfloat16 else dots
+    bf16 = jnp.dtype(q.dtype) == jnp.bfloat16
+    tolerant = "bf16" if bf16 else dots
+    batch_heads = q.shape[0] * v.shape[2]
+    block_v = sequential_block_v(batch_heads, V, BLOCK_V, KDA_NARROWEST_BLOCK_V)
+    pass_stages = 1
+    if bf16 and q.shape[3] <= 128 and chunk_size <= 64:  # two stages fit (see NARROW_PASS_STAGES)
+        one_per_sm = [bv for bv in (KDA_NARROWEST_BLOCK_V, 2 * KDA_NARROWEST_BLOCK_V)
+                      if bv <= V and batch_heads * (V // bv) <= MIN_SEQUENTIAL_PROGRAMS]
+        if one_per_sm:  # the narrowest such block: the most programs
+            block_v, pass_stages = one_per_sm[0], NARROW_PASS_STAGES
     return Config(scale=float(scale), chunk_size=int(chunk_size), key_heads=q.shape[2], value_heads=v.shape[2],
                   segmented=segmented, dots=dots, inverse="rows" if fp32 else "blocks", state_dots=tolerant,
                   grad_k_dots=tolerant,
                   prepare="partner",
-                  block_v=sequential_block_v(q.shape[0] * v.shape[2], V, BLOCK_V, KDA_NARROWEST_BLOCK_V),
+                  block_v=block_v,
                   grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=2,
                   grad_warps=8, pair_warps=4, stages=2, interpret=interpret,
-                  operands="stored", pass_stages=1, block_k=32, pair_block_k=32, reverse_warps=4,
+                  operands="stored", pass_stages=pass_stages, block_k=32, pair_block_k=32, reverse_warps=4,
                   cumsum="with_operands", span_limit=SPAN_LIMIT)
 
 

@@ -612,6 +612,29 @@ _SHIPPED = {name: getattr(default_config(jnp.zeros((1, 64, 1, 128), jnp.bfloat16
                           name) for name in ("operands", "forward", "cumsum", "span_limit", "call_span_check")}
 
 
+def test_passes_pipeline_two_stages_only_where_shared_memory_fits():
+    """`kda.NARROW_PASS_STAGES` where a V block of 16 or 32 leaves the passes at most one program per SM (the
+    narrowest such block), with bf16 operand tiles of at most 64 x 128 (the H100 measured it faster at 128
+    programs of BV 16 and of BV 32, and one stage of BV 16 faster than two at 256); one stage elsewhere (fp16 / fp32
+    operand tiles, K = 256 or C = 128 would ask for more shared memory than there is, BV 64 asks for 295 KB)."""
+    def config(B=1, Hv=16, K=128, dtype=jnp.bfloat16, C=64):
+        q = jnp.zeros((B, 64, Hv, K), dtype)
+        cfg = default_config(q, jnp.zeros((B, 64, Hv, 128), dtype), scale=0.1, chunk_size=C, segmented=False,
+                             interpret=False)
+        return cfg.block_v, cfg.pass_stages
+
+    assert config() == (16, kda_module.NARROW_PASS_STAGES) == (16, 2)  # 128 programs
+    assert config(Hv=4, K=64) == (16, 2)
+    assert config(B=2) == (32, 2)  # 128 programs of BV 32, not 256 of BV 16
+    assert config(B=2, Hv=20) == (32, 1)  # 160 programs at BV 32: one stage, the narrowing of `sequential_block_v`
+    assert config(B=4) == (32, 1)  # 256 programs
+    assert config(B=8) == (64, 1)
+    assert config(dtype=jnp.float16) == (16, 1)
+    assert config(B=2, dtype=jnp.float32) == (16, 1)
+    assert config(K=256) == (16, 1)
+    assert config(C=128) == (16, 1)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_lowers_for_cuda_every_supported_config(dtype):
     for K, V in itertools.product(pallas_gpu.KDA_HEAD_DIMS, repeat=2):
@@ -676,6 +699,7 @@ GPU_CASES = [
     (1, False, True, (2, 2), (128, 128)),
     (300, False, False, (2, 2), (64, 128)),
     (257, True, True, (1, 2), (128, 64)),
+    (200, True, True, (4, 16), (128, 128)),  # 32 value heads: the passes at BV 32 with two stages
 ]
 
 

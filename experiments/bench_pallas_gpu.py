@@ -97,6 +97,9 @@ VARIANTS = {
     "split_pstages3_pair": dict(output_method="split", pass_stages=3, pass_inverse_storage="split"),
     "split_pstages3_prefetch": dict(output_method="split", pass_stages=3, prefetch=True),
     "fused_pstages3": dict(output_method="fused", pass_stages=3),
+    # One program per SM at 2x8192x16x128 (128 of BV 32 instead of 256 of BV 16), three stages as `sequential_layout`
+    # gives such calls.
+    "bv32_pstages3": dict(output_method="split", block_v=32, pass_stages=3, reverse_inverse_storage="split"),
     "fused": dict(output_method="fused"),
     # How the passes read T (fp32, or its bf16 pair "split"): forward pass / reverse pass.
     "fused_pair": dict(output_method="fused", pass_inverse_storage="split", reverse_inverse_storage="split"),

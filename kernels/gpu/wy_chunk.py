@@ -68,7 +68,7 @@ from deltajax.kernels.gpu.common import GRID_ORDERS
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import iota2 as _iota2
 from deltajax.kernels.gpu.common import last as _last
-from deltajax.kernels.gpu.common import MIN_SEQUENTIAL_PROGRAMS
+from deltajax.kernels.gpu.common import MIN_SEQUENTIAL_PROGRAMS, NARROWEST_BLOCK_V
 from deltajax.kernels.gpu.common import sequential_block_v
 from deltajax.kernels.gpu.common import split_bf16 as _split_bf16
 from deltajax.kernels.gpu.common import split3_bf16
@@ -1348,14 +1348,23 @@ GRADS_FROM_PASSES = {"fused": False, "staged": True, "merged": True}
 SPLIT_OUTPUT_MAX_PROGRAMS = 2 * MIN_SEQUENTIAL_PROGRAMS
 DEEP_PASS_STAGES = 3  # 2x8192x16x128 (256 programs): 2.759 -> 3.053 ms forward+backward with 3
 DEEP_PASS_STAGES_MAX_K = 128
+# bfloat16 inputs take the narrowest V block of 16 or 32 that leaves at most one program per SM (with three stages)
+# rather than BV 16 with more programs: H100, 2026-11-27, 2x8192x16x128 bf16 (`bench_pallas_gpu.py`, variant
+# `bv32_pstages3`), BV 16 (256 programs, two stages) / BV 32 (128 programs, three): forward 0.713 / 0.636 ms,
+# forward+backward 2.612 / 2.280, reverse 0.671 / 0.461, the same errors against the fp32 scan (2x1024x4x128 run
+# with each config). float16 and float32 inputs (wider tiles in three stages) were not measured and keep BV 16.
 
-
-def sequential_layout(batch_heads, key_dim, value_dim):
+def sequential_layout(batch_heads, key_dim, value_dim, *, bf16=False):
     """(block_v, output_method, pass_stages) of the sequential passes for B*Hv pairs, K and V (measurements in
     docs/kernels.md, "Sixth session"). "split" once the fused forward pass fits in one wave (at most two programs
     per SM); three pipeline stages where there is at most one program per SM, whose shared memory then is free, and
-    K <= DEEP_PASS_STAGES_MAX_K (the reverse pass at K = 256 asked for 252 KB with three)."""
+    K <= DEEP_PASS_STAGES_MAX_K (the reverse pass at K = 256 asked for 252 KB with three). With `bf16` inputs a
+    V block of 32 that gives one program per SM is taken over twice the programs of BV 16 (measured above)."""
     block_v = sequential_block_v(batch_heads, value_dim, BLOCK_V)
+    if bf16 and key_dim <= DEEP_PASS_STAGES_MAX_K:
+        one_per_sm = [bv for bv in (NARROWEST_BLOCK_V, 2 * NARROWEST_BLOCK_V)
+                      if bv <= value_dim and batch_heads * (value_dim // bv) <= MIN_SEQUENTIAL_PROGRAMS]
+        block_v = one_per_sm[0] if one_per_sm else block_v
     programs = batch_heads * (value_dim // block_v)
     output_method = "split" if programs <= SPLIT_OUTPUT_MAX_PROGRAMS else "fused"
     deep = programs <= MIN_SEQUENTIAL_PROGRAMS and key_dim <= DEEP_PASS_STAGES_MAX_K
@@ -1379,7 +1388,8 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
     tolerant = lambda chosen: mode("split" if fp16 and chosen == "bf16" else chosen)
     grad_method = default_grad_method(K)
     grad_bv, grad_bk, grad_k_warps = GRAD_BLOCKS[grad_method]
-    block_v, output_method, pass_stages = sequential_layout(q.shape[0] * v.shape[2], K, V)
+    block_v, output_method, pass_stages = sequential_layout(q.shape[0] * v.shape[2], K, V,
+                                                            bf16=jnp.dtype(q.dtype) == jnp.bfloat16)
     inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), tolerant(STATE_DOTS), tolerant(GRAD_K_DOTS)
     rounded_states = grad_method in ROUNDING_GRAD_METHODS and state_dots == grad_k_dots == "bf16"
     return Config(

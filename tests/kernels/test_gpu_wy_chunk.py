@@ -377,9 +377,25 @@ def test_sequential_block_v_buys_programs_for_few_heads(batch, heads, V, expecte
     assert cfg.block_v == expected
 
 
+@pytest.mark.parametrize("batch,heads,dtype,K,expected", [
+    (2, 16, "bfloat16", 128, 32),  # BV 32 with one program per SM rather than 256 programs of BV 16
+    (2, 16, "float16", 128, 16),  # measured for bf16 only: the narrowing
+    (2, 16, "bfloat16", 256, 16),  # three stages do not fit at K = 256
+    (1, 16, "bfloat16", 128, 16),  # 128 programs at BV 16 already
+    (4, 16, "bfloat16", 128, 32),  # 256 programs at BV 32, none of 16 or 32 gives one per SM: the narrowing
+    (8, 16, "bfloat16", 128, 32),
+])
+def test_bf16_passes_take_one_program_per_sm_at_bv_32(batch, heads, dtype, K, expected):
+    x = rule_inputs(fresh_key(), B=batch, T=1, H=heads, K=K, V=128)
+    q, v = x["q"].astype(dtype), x["v"].astype(dtype)
+    cfg = default_config(q, v, scale=1.0, chunk_size=64, delta=True, segmented=False, interpret=True)
+    assert cfg.block_v == expected
+
+
 @pytest.mark.parametrize("batch,heads,dtype,expected", [
     (8, 16, "bfloat16", ("fused", None, "fp32", "fp32")),  # 512 programs: two waves of two per SM
-    (2, 16, "bfloat16", ("split", None, "split", "fp32")),  # 256 programs at BV 16: one wave
+    (2, 16, "bfloat16", ("split", 3, "split", "split")),  # bf16: 128 programs at BV 32, at most one per SM
+    (2, 16, "float32", ("split", None, "fp32", "fp32")),  # 256 programs at BV 16: one wave
     (1, 16, "bfloat16", ("split", 3, "split", "split")),  # 128 programs: at most one per SM
     (1, 16, "float32", ("split", 3, "fp32", "fp32")),  # IEEE fp32 products with T: no pair
 ])
@@ -520,6 +536,8 @@ GPU_CASES = [
     ("delta_rule", 257, "scalar", True, True, (1, 2), (256, 64)),
     ("linear_attention", 1000, "scalar", True, True, (2, 4), (128, 128)),
     ("linear_attention", 129, "none", False, False, (1, 1), (256, 256)),
+    # 2 x 16 value heads: bf16 passes at BV 32 with three stages (one program per SM), fp16 at BV 16 with two
+    ("delta_rule", 200, "scalar", True, True, (8, 16), (128, 128)),
 ]
 
 

@@ -38,6 +38,15 @@ def sequential_block_v(batch_heads, value_dim, widest, narrowest=NARROWEST_BLOCK
     return block
 
 
+def one_program_per_sm_block_v(batch_heads, value_dim, narrowest=NARROWEST_BLOCK_V):
+    """The narrowest V block of `narrowest` or twice it that leaves the sequential passes at most
+    `MIN_SEQUENTIAL_PROGRAMS` programs (one per SM, whose shared memory then holds a deeper pipeline), or None."""
+    for block in (narrowest, 2 * narrowest):
+        if block <= value_dim and batch_heads * (value_dim // block) <= MIN_SEQUENTIAL_PROGRAMS:
+            return block
+    return None
+
+
 # Launch order of the chunk-parallel kernels' grids (..., chunks, batch x heads): Pallas's first grid axis is CUDA's
 # x, which the GPU schedules fastest. "chunks": consecutive programs walk the chunks of one head, so with few long
 # sequences the programs resident at one time read a few heads' rows spread over the whole sequence; "heads": they

@@ -90,7 +90,7 @@ from deltajax.kernels.gpu.common import chunk_parallel_call as _chunk_parallel_c
 from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import last as _last
-from deltajax.kernels.gpu.common import MIN_SEQUENTIAL_PROGRAMS, sequential_block_v
+from deltajax.kernels.gpu.common import one_program_per_sm_block_v, sequential_block_v
 from deltajax.kernels.gpu.common import split_bf16 as _split_bf16
 from deltajax.kernels.gpu.common import split_pair_dot as _split_pair_dot
 from deltajax.kernels.gpu.common import unit_lower_inverse as _unit_lower_row_inverse
@@ -1485,11 +1485,9 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
     batch_heads = q.shape[0] * v.shape[2]
     block_v = sequential_block_v(batch_heads, V, BLOCK_V, KDA_NARROWEST_BLOCK_V)
     pass_stages = 1
-    if bf16 and q.shape[3] <= 128 and chunk_size <= 64:  # two stages fit (see NARROW_PASS_STAGES)
-        one_per_sm = [bv for bv in (KDA_NARROWEST_BLOCK_V, 2 * KDA_NARROWEST_BLOCK_V)
-                      if bv <= V and batch_heads * (V // bv) <= MIN_SEQUENTIAL_PROGRAMS]
-        if one_per_sm:  # the narrowest such block: the most programs
-            block_v, pass_stages = one_per_sm[0], NARROW_PASS_STAGES
+    one_per_sm = one_program_per_sm_block_v(batch_heads, V, KDA_NARROWEST_BLOCK_V)
+    if bf16 and q.shape[3] <= 128 and chunk_size <= 64 and one_per_sm:  # two stages fit (NARROW_PASS_STAGES)
+        block_v, pass_stages = one_per_sm, NARROW_PASS_STAGES
     return Config(scale=float(scale), chunk_size=int(chunk_size), key_heads=q.shape[2], value_heads=v.shape[2],
                   segmented=segmented, dots=dots, inverse="rows" if fp32 else "blocks", state_dots=tolerant,
                   grad_k_dots=tolerant,

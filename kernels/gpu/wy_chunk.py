@@ -68,7 +68,8 @@ from deltajax.kernels.gpu.common import GRID_ORDERS
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import iota2 as _iota2
 from deltajax.kernels.gpu.common import last as _last
-from deltajax.kernels.gpu.common import MIN_SEQUENTIAL_PROGRAMS, NARROWEST_BLOCK_V
+from deltajax.kernels.gpu.common import MIN_SEQUENTIAL_PROGRAMS
+from deltajax.kernels.gpu.common import one_program_per_sm_block_v
 from deltajax.kernels.gpu.common import sequential_block_v
 from deltajax.kernels.gpu.common import split_bf16 as _split_bf16
 from deltajax.kernels.gpu.common import split3_bf16
@@ -1362,9 +1363,7 @@ def sequential_layout(batch_heads, key_dim, value_dim, *, bf16=False):
     V block of 32 that gives one program per SM is taken over twice the programs of BV 16 (measured above)."""
     block_v = sequential_block_v(batch_heads, value_dim, BLOCK_V)
     if bf16 and key_dim <= DEEP_PASS_STAGES_MAX_K:
-        one_per_sm = [bv for bv in (NARROWEST_BLOCK_V, 2 * NARROWEST_BLOCK_V)
-                      if bv <= value_dim and batch_heads * (value_dim // bv) <= MIN_SEQUENTIAL_PROGRAMS]
-        block_v = one_per_sm[0] if one_per_sm else block_v
+        block_v = one_program_per_sm_block_v(batch_heads, value_dim) or block_v
     programs = batch_heads * (value_dim // block_v)
     output_method = "split" if programs <= SPLIT_OUTPUT_MAX_PROGRAMS else "fused"
     deep = programs <= MIN_SEQUENTIAL_PROGRAMS and key_dim <= DEEP_PASS_STAGES_MAX_K

@@ -1349,12 +1349,13 @@ GRADS_FROM_PASSES = {"fused": False, "staged": True, "merged": True}
 SPLIT_OUTPUT_MAX_PROGRAMS = 2 * MIN_SEQUENTIAL_PROGRAMS
 DEEP_PASS_STAGES = 3  # 2x8192x16x128 (256 programs): 2.759 -> 3.053 ms forward+backward with 3
 DEEP_PASS_STAGES_MAX_K = 128
+
+
 # bfloat16 inputs take the narrowest V block of 16 or 32 that leaves at most one program per SM (with three stages)
 # rather than BV 16 with more programs: H100, 2026-11-27, 2x8192x16x128 bf16 (`bench_pallas_gpu.py`, variant
 # `bv32_pstages3`), BV 16 (256 programs, two stages) / BV 32 (128 programs, three): forward 0.713 / 0.636 ms,
 # forward+backward 2.612 / 2.280, reverse 0.671 / 0.461, the same errors against the fp32 scan (2x1024x4x128 run
 # with each config). float16 and float32 inputs (wider tiles in three stages) were not measured and keep BV 16.
-
 def sequential_layout(batch_heads, key_dim, value_dim, *, bf16=False):
     """(block_v, output_method, pass_stages) of the sequential passes for B*Hv pairs, K and V (measurements in
     docs/kernels.md, "Sixth session"). "split" once the fused forward pass fits in one wave (at most two programs

@@ -54,7 +54,9 @@ VARIANTS = {
     # The partner loop of prepare gathering each sub-chunk's partner row by a masked sum (the default loads it).
     "partner_gathered": dict(partner_rows="gathered"),
     "partner_loaded": dict(partner_rows="loaded"),
-    "all_split": dict(state_dots="split", grad_k_dots="split"),  # no plain-bf16 products (the default before 11-25)
+    # No plain-bf16 products (the default before 11-25), so fp32 saved states.
+    "all_split": dict(state_dots="split", grad_k_dots="split", state_storage="fp32"),
+    "states_fp32": dict(state_storage="fp32"),  # the saved states as before 11-27 (`kda.STATE_STORAGES`)
     "sub_chunks_only": dict(span_limit=None),
     # Only the per-program span switch: prepare and the pair kernel always carry the sub-chunk code (before 11-26).
     "per_program_check": dict(call_span_check=False),  # never one reference per chunk (kda.SPAN_LIMIT)

@@ -71,7 +71,8 @@ Precision (`Config.dots`, products with an fp32 operand): "highest" (IEEE fp32; 
 inputs): each fp32 operand x is written as hi + lo with hi = bf16(x), lo = bf16(x - hi), and the product is summed
 from bf16 tensor-core dots hi*hi + hi*lo + lo*hi (~2^-16 relative per product; TF32 would give ~2^-11, which the
 inverse can amplify for correlated keys). For bfloat16 inputs the products with a chunk state or state cotangent,
-and dO S_0^T, dx S_0^T, take plain bf16 operands (`Config.state_dots`, `Config.grad_k_dots`, TOLERANT_DOT_MODES).
+and dO S_0^T, dx S_0^T, take plain bf16 operands (`Config.state_dots`, `Config.grad_k_dots`, TOLERANT_DOT_MODES),
+and the saved start states and end-state cotangents are stored in bf16 (`Config.state_storage`).
 The inverse's own substitution and merges are always IEEE fp32.
 """
 
@@ -150,10 +151,15 @@ TOLERANT_DOT_MODES = ("highest", "split", "bf16")
 # that the masks drop stay below e^SPAN_LIMIT |q| |k| K. Chunks with a larger span (a log-decay of -20 per token
 # spans 1260) take the sub-chunk scheme, decided per program at run time (`lax.cond`).
 SPAN_LIMIT = 30.0
+# dtype of the saved chunk start states and end-state cotangents (`Config.state_storage`). "bf16" needs bf16 state
+# products (state_dots = grad_k_dots = "bf16"): then the V gradient kernel's only readers at a higher precision are
+# (E (.) K)-side u dS_end^T (u's split against bf16 dS_end: two bf16 dots instead of three) and the fp32 sum of
+# S_0 (.) dS_end behind gamma's gradient, both rounded once more than with fp32 storage.
+STATE_STORAGES = ("fp32", "bf16")
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
 
 __all__ = ["CHUNK_SIZES", "CUMSUM_METHODS", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM",
-           "OPERAND_METHODS", "PREPARE_METHODS", "Config", "default_config", "kda_chunk"]
+           "OPERAND_METHODS", "PREPARE_METHODS", "STATE_STORAGES", "Config", "default_config", "kda_chunk"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +201,7 @@ class Config:
     all_bounded: bool = False
     # Whether the call checks all its chunks at once (`_when_all_bounded`) before the per-program switch.
     call_span_check: bool = True
+    state_storage: str = "fp32"  # STATE_STORAGES
 
 
 def _masked_exp(mask, x):
@@ -622,6 +629,11 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
         raise ValueError(f"config.operands must be one of {OPERAND_METHODS}, got {cfg.operands!r}")
     if cfg.partner_rows not in PARTNER_ROWS:
         raise ValueError(f"config.partner_rows must be one of {PARTNER_ROWS}, got {cfg.partner_rows!r}")
+    if cfg.state_storage not in STATE_STORAGES:
+        raise ValueError(f"config.state_storage must be one of {STATE_STORAGES}, got {cfg.state_storage!r}")
+    if cfg.state_storage == "bf16" and not cfg.state_dots == cfg.grad_k_dots == "bf16":
+        raise ValueError(f"config.state_storage='bf16' needs state_dots = grad_k_dots = 'bf16', got "
+                         f"{cfg.state_dots!r}, {cfg.grad_k_dots!r}")
     B, Tp, _, K = q.shape
     if cfg.block_k < 16 or cfg.block_k & (cfg.block_k - 1):
         raise ValueError(f"config.block_k must be a power of two >= 16, got {cfg.block_k}")
@@ -832,7 +844,7 @@ def _forward_kernel(*refs, cfg: Config, nt: int):
         """s: the state block at the start of chunk i; returns the one at its end."""
         rows, per_chunk = _chunk_rows(cfg, i, K)
         if states_ref:
-            states_ref[0][per_chunk, :] = s
+            states_ref[0][per_chunk, :] = s.astype(states_ref[0].dtype)
         ops = _load_operands(cfg, geo, src, rows, per_chunk, "forward")
         u = _pseudo_values(cfg, ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s)
         o = cfg.scale * (_odot(ops.qa, s, mode=cfg.state_dots) + _dot(p_ref[rows, :], u, mode=mode))
@@ -853,7 +865,7 @@ def _state_kernel(*refs, cfg: Config, nt: int):
 
     def chunk(i, s):
         rows, per_chunk = _chunk_rows(cfg, i, K)
-        states_ref[per_chunk, :] = s
+        states_ref[per_chunk, :] = s.astype(states_ref.dtype)
         ops = _load_operands(cfg, geo, src, rows, per_chunk, "forward", with_q=False)
         u = _pseudo_values(cfg, ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s)
         return ops.gamma[:, None] * s + _odot(ops.ke, u, ta=True, mode=mode)
@@ -891,6 +903,10 @@ def _output_specs(cfg, K, OV):
     )
 
 
+def _state_dtype(cfg):
+    return BF16 if cfg.state_storage == "bf16" else F32
+
+
 def _split_forward(cfg, src, v, beta, t, p, h0):
     """(O, final state, start states) by `_state_kernel` then `_output_kernel`."""
     B, Tp, Hv, V = v.shape
@@ -903,7 +919,8 @@ def _split_forward(cfg, src, v, beta, t, p, h0):
         grid=(V // BV, B * Hv),
         in_specs=_source_specs(cfg, sp, "forward") + [sp["value"], sp["gate"], sp["square"], sp["state"]],
         out_specs=[sp["state"], sp["states"]],
-        out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32)],
+        out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32),
+                   jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))],
         compiler_params=_params(cfg.warps, cfg.pass_stages),
         interpret=cfg.interpret,
         name="kda_state_pass",
@@ -937,7 +954,7 @@ def _forward_pass(cfg, src, v, beta, t, p, h0, *, with_states):
     out_shape = [jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), jax.ShapeDtypeStruct((B, Hv, K, V), F32)]
     out_specs = [sp["value"], sp["state"]]
     if with_states:
-        out_shape.append(jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32))
+        out_shape.append(jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg)))
         out_specs.append(sp["states"])
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, nt=nt),
@@ -963,7 +980,7 @@ def _reverse_kernel(*refs, cfg: Config, nt: int):
     def chunk(m, ds):
         """ds: dL/d(state at the end of chunk i = nt-1-m); returns dL/d(state at its start)."""
         rows, per_chunk = _chunk_rows(cfg, nt - 1 - m, K)
-        dends_ref[per_chunk, :] = ds
+        dends_ref[per_chunk, :] = ds.astype(dends_ref.dtype)
         ops = _load_operands(cfg, geo, src, rows, per_chunk, "backward")
         do = do_ref[rows, :]
         # Through (5) and (6): du = scale P^T dO + (E (.) K) dS_1; through (4): d(beta y) = T^T du.
@@ -987,7 +1004,8 @@ def _reverse_pass(cfg, src, beta, t, p, do, dfinal):
         in_specs=_source_specs(cfg, sp, "backward") + [sp["gate"], sp["square"], sp["square"], sp["value"],
                                                        sp["state"]],
         out_specs=[sp["state"], sp["states"]],
-        out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), F32)],
+        out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32),
+                   jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))],
         compiler_params=_params(cfg.reverse_warps, cfg.pass_stages),
         interpret=cfg.interpret,
         name="kda_reverse",
@@ -1044,7 +1062,7 @@ def _grad_v_kernel(*refs, cfg: Config):
         dp = dp + _dot(do, u, tb=True, mode=mode)  # / scale
         dm = dm - _dot(dx, u, tb=True, mode=mode)  # dL/d(diag(beta) R) = -T^T du u^T
         dbeta = dbeta + jnp.sum(dx * y, axis=1)
-        dgamma = dgamma + jnp.sum(s0 * dend, axis=1)
+        dgamma = dgamma + jnp.sum(s0.astype(F32) * dend.astype(F32), axis=1)
         return dqa, dka, dke, dp, dm, dbeta, dgamma
 
     zeros = lambda *shape: jnp.zeros(shape, F32)
@@ -1469,7 +1487,8 @@ NARROW_PASS_STAGES = 2
 
 def default_config(q, v, *, scale, chunk_size, segmented, interpret):
     """fp32 inputs get IEEE fp32 products everywhere; 16-bit inputs the bf16x3 "split" products, except, for
-    bfloat16 inputs, plain bf16 operands in the products that tolerate them (`TOLERANT_DOT_MODES`).
+    bfloat16 inputs, plain bf16 operands in the products that tolerate them (`TOLERANT_DOT_MODES`) and bf16 saved
+    states (`STATE_STORAGES`).
 
     Register pressure sets the rest (H100, 8x2048x16x128 bf16, 2026-11-25, docs/kernels.md): stored operands
     (passes 3.6 -> 0.9 ms forward, 4.1 -> 1.1 ms reverse; one pipeline stage, two asked for more shared memory
@@ -1496,7 +1515,7 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=2,
                   grad_warps=8, pair_warps=4, stages=2, interpret=interpret,
                   operands="stored", pass_stages=pass_stages, block_k=32, pair_block_k=32, reverse_warps=4,
-                  cumsum="with_operands", span_limit=SPAN_LIMIT)
+                  cumsum="with_operands", span_limit=SPAN_LIMIT, state_storage="bf16" if bf16 else "fp32")
 
 
 def _pow2_at_least_16(n):

@@ -366,7 +366,7 @@ def test_sequential_block_v_buys_programs_for_few_heads(batch, heads, V, expecte
     assert cfg.block_v == expected
 
 
-ALL_SPLIT = dict(state_dots="split", grad_k_dots="split")
+ALL_SPLIT = dict(state_dots="split", grad_k_dots="split", state_storage="fp32")
 
 
 @pytest.mark.parametrize("overrides", [{}, ALL_SPLIT], ids=["default", "all_split"])
@@ -389,6 +389,56 @@ def test_tolerant_bf16_dots_on_adversarial_in_interpreter(family):
     x = _round_trip_bf16(_adversarial(family, T=260, K=64, V=64))
     x["scale"] = 64 ** -0.5
     _check(x, BF16_OUT_TOL, _bf16_grad_tol, label=f"tolerant-bf16-{family}")
+
+
+def _kernel_output_dtypes(fn, *args):
+    """{Pallas kernel name: its output dtypes} for every `pallas_call` in fn's jaxpr, nested ones included."""
+    found = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found[str(eqn.params["name"])] = [var.aval.dtype for var in eqn.outvars]
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_bf16_saved_states_change_only_the_products_that_read_them_finer():
+    """`Config.state_storage="bf16"` (the bfloat16 default): the forward pass saves its start states and the
+    reverse pass its end-state cotangents as bf16 arrays. Every state product but two rounds them to bf16 anyway
+    (`state_dots`, `grad_k_dots`), so o, the final state, dq, dv, dbeta and d(initial_state) equal those of fp32
+    storage (1e-6: the same operations on the same values); dk and d(log_decay) also read them through u dS_end^T
+    (u's split against the state) and gamma's sum of S_0 (.) dS_end, and stay at the bf16 bounds against the scan.
+    bf16 storage beside finer state products is refused."""
+    x = _round_trip_bf16(_inputs(T=130, B=1, K=32, V=32))
+    x["scale"] = 32 ** -0.5
+    cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
+    assert cfg.state_storage == "bf16"
+    fp16 = default_config(x["q"].astype(jnp.float16), x["v"], scale=1.0, chunk_size=64, segmented=True,
+                          interpret=True)
+    assert fp16.state_storage == "fp32" and fp16.state_dots == "split"
+    names = [n for n in ARG_NAMES if x[n] is not None]
+    results = {}
+    for storage in ("bf16", "fp32"):
+        fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, state_storage=storage))
+        _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"states-{storage}")
+        results[storage] = dict(zip(("o", "state"), _call(fn, x)), **_grads(fn, x))
+        loss = lambda *args: jnp.sum(_call_eager(fn, dict(x, **dict(zip(names, args))))[0].astype(jnp.float32))
+        dtypes = _kernel_output_dtypes(jax.grad(loss, argnums=(0, 1, 2)), *[x[n] for n in names])
+        saved = jnp.bfloat16 if storage == "bf16" else jnp.float32
+        assert dtypes["kda_forward"][-1] == dtypes["kda_reverse"][-1] == saved, dtypes
+    for name in ("o", "state", "q", "v", "beta", "initial_state"):
+        a, b = (results[s][name].astype(jnp.float32) for s in ("bf16", "fp32"))
+        assert relative_error(a, b) <= 1e-6, name
+    with pytest.raises(ValueError, match="state_storage"):
+        _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, grad_k_dots="split")), x)
 
 
 def test_operands_written_with_the_cumsum_equal_the_operand_kernel():
@@ -668,6 +718,7 @@ CONFIG_VARIANTS = {
     "gates_with_operands": dict(cumsum="with_operands"),
     "partner_rows_gathered": dict(partner_rows="gathered"),
     "all_split": ALL_SPLIT,
+    "states_fp32": dict(state_storage="fp32"),
     "sub_chunks_only": dict(span_limit=None),
     "per_program_check": dict(call_span_check=False),
 }

@@ -57,6 +57,9 @@ VARIANTS = {
     # No plain-bf16 products (the default before 11-25), so fp32 saved states.
     "all_split": dict(state_dots="split", grad_k_dots="split", state_storage="fp32"),
     "states_fp32": dict(state_storage="fp32"),  # the saved states as before 11-27 (`kda.STATE_STORAGES`)
+    # The V gradient kernel forming u and dx from T, P and the states, as before 11-27 (the default reads them as
+    # the passes saved them, `Config.grads_from_passes`).
+    "recomputed_u_dx": dict(grads_from_passes=False),
     "sub_chunks_only": dict(span_limit=None),
     # Only the per-program span switch: prepare and the pair kernel always carry the sub-chunk code (before 11-26).
     "per_program_check": dict(call_span_check=False),  # never one reference per chunk (kda.SPAN_LIMIT)
@@ -178,13 +181,14 @@ def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
     fwd = lambda states: jax.jit(lambda src, v, b, t, p: kda._forward_pass(cfg, src, v, b, t, p, h0,
                                                                             with_states=states))
     fwd0, fwd1 = fwd(False), fwd(True)
-    o, final, starts = fwd1(src, v, beta, t, p)
+    o, final, starts, u_pair = fwd1(src, v, beta, t, p)
     log('fwd1' + ' ran')
     rev = jax.jit(lambda src, b, t, p, do, df: kda._reverse_pass(cfg, src, b, t, p, do, df))
-    dh0, dends = rev(back_src, beta, t, p, o, final)
+    dh0, dends, dx_pair = rev(back_src, beta, t, p, o, final)
     log('rev' + ' ran')
     grads_v = jax.jit(lambda *a: kda._grads_v(cfg, *a))
-    gargs = (back_src, q, k, v, beta, g, glo, doc, ones, ones, t, p, r, starts, dends, o)
+    saved = u_pair + dx_pair if cfg.grads_from_passes else (t, p)
+    gargs = (back_src, q, k, v, beta, g, glo, doc, ones, ones, saved, r, starts, dends, o)
     dv, dq, dk, dg, de, dbeta, squares = grads_v(*gargs)
     grads_pairs = jax.jit(lambda *a: kda._grads_pairs(cfg, *a))
     pargs = (q, k, g, glo, beta, squares, dq, dk, dg, de)

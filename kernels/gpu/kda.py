@@ -49,14 +49,15 @@ the index maps, never a repeated copy):
   (the bf16 parts each phase reads, for "split" products) and gamma for one chunk and BK channels, so that the
   passes below load dot operands instead of forming them in every step; the backward's (formed again, not saved).
 - `_forward_kernel`, grid (V/BV, B*Hv): `fori_loop` over the chunks with the fp32 state block S[:, BV] (K x BV) in
-  registers, (4)-(6); writes O, the final state and, for the backward, every chunk's start state.
+  registers, (4)-(6); writes O, the final state and, for the backward, every chunk's start state and
+  (`Config.grads_from_passes`) u as a bf16 (hi, lo) pair.
   With `Config.forward="split"` instead: `_state_kernel` (same grid and loop, (4) and (6) only, always writing the
   start states), then `_output_kernel`, grid (V/BV_out, chunks, B*Hv), (4) and (5) from the saved start states.
 - `_reverse_kernel`, grid (V/BV, B*Hv): the same loop backwards carrying dL/dS; writes every chunk's end-state
-  cotangent and dL/d(initial_state).
+  cotangent, dL/d(initial_state) and (`Config.grads_from_passes`) dx = dL/d(beta y) as a bf16 pair.
 - `_grad_v_kernel`, grid (chunks, B*Hv): the V contractions of one chunk, chunk-parallel, from the saved start
-  states and end-state cotangents (a loop over V blocks): dv, dE, the state/boundary parts of dq, dk, dG, dbeta,
-  and dP, dL/d(diag(beta) R) (C x C).
+  states and end-state cotangents (a loop over V blocks; u and dx read as the passes saved them, or formed again
+  from T and P): dv, dE, the state/boundary parts of dq, dk, dG, dbeta, and dP, dL/d(diag(beta) R) (C x C).
 - `_grad_pair_kernel`, grid (K/BK, chunks, B*Hv) (BK = `Config.pair_block_k`): the decayed pair products of dP
   and dR in 16 x 16 blocks (the block scheme of `_prepare_blocks_kernel`), added to the V kernel's partials; every
   output is per channel, so channel blocks are independent programs (dbeta's share through R, which needs all
@@ -202,6 +203,10 @@ class Config:
     # Whether the call checks all its chunks at once (`_when_all_bounded`) before the per-program switch.
     call_span_check: bool = True
     state_storage: str = "fp32"  # STATE_STORAGES
+    # The passes save u (forward) and dx (reverse), which they compute anyway, as bf16 (hi, lo) pairs, and the V
+    # gradient kernel reads them instead of forming them again from T, P and the states (no products with T or P,
+    # nor (E (.) K) dS_end, in its loop; T and P are not kept in its registers).
+    grads_from_passes: bool = False
 
 
 def _masked_exp(mask, x):
@@ -631,6 +636,8 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
         raise ValueError(f"config.partner_rows must be one of {PARTNER_ROWS}, got {cfg.partner_rows!r}")
     if cfg.state_storage not in STATE_STORAGES:
         raise ValueError(f"config.state_storage must be one of {STATE_STORAGES}, got {cfg.state_storage!r}")
+    if cfg.grads_from_passes and cfg.dots != "split":
+        raise ValueError(f"config.grads_from_passes saves bf16 pairs for 'split' products, got dots={cfg.dots!r}")
     if cfg.state_storage == "bf16" and not cfg.state_dots == cfg.grad_k_dots == "bf16":
         raise ValueError(f"config.state_storage='bf16' needs state_dots = grad_k_dots = 'bf16', got "
                          f"{cfg.state_dots!r}, {cfg.grad_k_dots!r}")
@@ -835,7 +842,7 @@ def _chunk_rows(cfg, i, K):
 def _forward_kernel(*refs, cfg: Config, nt: int):
     n = _n_source(cfg, "forward")
     src = refs[:n]
-    v_ref, beta_ref, t_ref, p_ref, h0_ref, o_ref, final_ref, *states_ref = refs[n:]
+    v_ref, beta_ref, t_ref, p_ref, h0_ref, o_ref, final_ref, *saved_refs = refs[n:]
     mode = cfg.dots
     K = h0_ref.shape[0]
     geo = _geometry(cfg.chunk_size)
@@ -843,10 +850,11 @@ def _forward_kernel(*refs, cfg: Config, nt: int):
     def chunk(i, s):
         """s: the state block at the start of chunk i; returns the one at its end."""
         rows, per_chunk = _chunk_rows(cfg, i, K)
-        if states_ref:
-            states_ref[0][per_chunk, :] = s.astype(states_ref[0].dtype)
+        if saved_refs:
+            saved_refs[0][per_chunk, :] = s.astype(saved_refs[0].dtype)
         ops = _load_operands(cfg, geo, src, rows, per_chunk, "forward")
         u = _pseudo_values(cfg, ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s)
+        _store_pair(saved_refs[1:], rows, u)
         o = cfg.scale * (_odot(ops.qa, s, mode=cfg.state_dots) + _dot(p_ref[rows, :], u, mode=mode))
         o_ref[rows, :] = o.astype(o_ref.dtype)
         return ops.gamma[:, None] * s + _odot(ops.ke, u, ta=True, mode=mode)
@@ -858,7 +866,7 @@ def _state_kernel(*refs, cfg: Config, nt: int):
     """`Config.forward="split"`: (4) and (6) only, writing every chunk's start state."""
     n = _n_source(cfg, "forward")
     src = refs[:n]
-    v_ref, beta_ref, t_ref, h0_ref, final_ref, states_ref = refs[n:]
+    v_ref, beta_ref, t_ref, h0_ref, final_ref, states_ref, *u_refs = refs[n:]
     mode = cfg.dots
     K = h0_ref.shape[0]
     geo = _geometry(cfg.chunk_size)
@@ -868,6 +876,7 @@ def _state_kernel(*refs, cfg: Config, nt: int):
         states_ref[per_chunk, :] = s.astype(states_ref.dtype)
         ops = _load_operands(cfg, geo, src, rows, per_chunk, "forward", with_q=False)
         u = _pseudo_values(cfg, ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s)
+        _store_pair(u_refs, rows, u)
         return ops.gamma[:, None] * s + _odot(ops.ke, u, ta=True, mode=mode)
 
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
@@ -907,20 +916,32 @@ def _state_dtype(cfg):
     return BF16 if cfg.state_storage == "bf16" else F32
 
 
-def _split_forward(cfg, src, v, beta, t, p, h0):
-    """(O, final state, start states) by `_state_kernel` then `_output_kernel`."""
+def _store_pair(refs, rows, x):
+    """x (fp32) at `rows` of (hi, lo) refs as `_split_bf16`; nothing when refs is empty."""
+    if refs:
+        refs[0][rows, :], refs[1][rows, :] = _split_bf16(x)
+
+
+def _pair_shapes(cfg, shape, saved):
+    """The pass outputs that save u or dx (`Config.grads_from_passes`) where `saved`: its bf16 (hi, lo)."""
+    return [jax.ShapeDtypeStruct(shape, BF16)] * 2 if saved and cfg.grads_from_passes else []
+
+
+def _split_forward(cfg, src, v, beta, t, p, h0, *, with_states):
+    """(O, final state, start states, u's pair if saved) by `_state_kernel` then `_output_kernel`."""
     B, Tp, Hv, V = v.shape
     K = h0.shape[2]
     nt = Tp // cfg.chunk_size
     BV = min(cfg.block_v, V)
     sp = _sequence_specs(cfg, Tp, K, BV)
-    final, starts = pl.pallas_call(
+    u_shapes = _pair_shapes(cfg, v.shape, with_states)
+    final, starts, *u_pair = pl.pallas_call(
         functools.partial(_state_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
         in_specs=_source_specs(cfg, sp, "forward") + [sp["value"], sp["gate"], sp["square"], sp["state"]],
-        out_specs=[sp["state"], sp["states"]],
+        out_specs=[sp["state"], sp["states"]] + [sp["value"]] * len(u_shapes),
         out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32),
-                   jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))],
+                   jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))] + u_shapes,
         compiler_params=_params(cfg.warps, cfg.pass_stages),
         interpret=cfg.interpret,
         name="kda_state_pass",
@@ -939,13 +960,14 @@ def _split_forward(cfg, src, v, beta, t, p, h0):
         interpret=cfg.interpret,
         name="kda_output",
     )(*src, v, beta, t, p, starts)
-    return o, final, starts
+    return o, final, starts, tuple(u_pair)
 
 
 def _forward_pass(cfg, src, v, beta, t, p, h0, *, with_states):
+    """(O, final state), and `with_states` the start states and u's pair (`Config.grads_from_passes`, else ())."""
     if cfg.forward == "split":
-        o, final, starts = _split_forward(cfg, src, v, beta, t, p, h0)
-        return (o, final, starts) if with_states else (o, final)
+        o, final, starts, u_pair = _split_forward(cfg, src, v, beta, t, p, h0, with_states=with_states)
+        return (o, final, starts, u_pair) if with_states else (o, final)
     B, Tp, Hv, V = v.shape
     K = h0.shape[2]
     BV = min(cfg.block_v, V)
@@ -956,23 +978,25 @@ def _forward_pass(cfg, src, v, beta, t, p, h0, *, with_states):
     if with_states:
         out_shape.append(jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg)))
         out_specs.append(sp["states"])
-    return pl.pallas_call(
+    u_shapes = _pair_shapes(cfg, v.shape, with_states)
+    o, final, *saved = pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
         in_specs=_source_specs(cfg, sp, "forward") + [sp["value"], sp["gate"], sp["square"], sp["square"],
                                                       sp["state"]],
-        out_specs=out_specs,
-        out_shape=out_shape,
+        out_specs=out_specs + [sp["value"]] * len(u_shapes),
+        out_shape=out_shape + u_shapes,
         compiler_params=_params(cfg.warps, cfg.pass_stages),
         interpret=cfg.interpret,
         name="kda_forward",
     )(*src, v, beta, t, p, h0)
+    return (o, final, saved[0], tuple(saved[1:])) if with_states else (o, final)
 
 
 def _reverse_kernel(*refs, cfg: Config, nt: int):
     n = _n_source(cfg, "backward")
     src = refs[:n]
-    beta_ref, t_ref, p_ref, do_ref, dfinal_ref, dh0_ref, dends_ref = refs[n:]
+    beta_ref, t_ref, p_ref, do_ref, dfinal_ref, dh0_ref, dends_ref, *dx_refs = refs[n:]
     mode = cfg.dots
     K = dfinal_ref.shape[0]
     geo = _geometry(cfg.chunk_size)
@@ -986,6 +1010,7 @@ def _reverse_kernel(*refs, cfg: Config, nt: int):
         # Through (5) and (6): du = scale P^T dO + (E (.) K) dS_1; through (4): d(beta y) = T^T du.
         du = cfg.scale * _dot(p_ref[rows, :], do, ta=True, mode=mode) + _odot(ops.ke, ds, mode=cfg.state_dots)
         dx = _dot(t_ref[rows, :], du, ta=True, mode=mode)
+        _store_pair(dx_refs, rows, dx)
         return (ops.gamma[:, None] * ds + cfg.scale * _odot(ops.qa, do, ta=True, mode=cfg.state_dots)
                 - _odot(ops.ak, beta_ref[rows][:, None] * dx, ta=True, mode=mode))
 
@@ -993,23 +1018,26 @@ def _reverse_kernel(*refs, cfg: Config, nt: int):
 
 
 def _reverse_pass(cfg, src, beta, t, p, do, dfinal):
+    """(dL/d(initial state), the end-state cotangents, dx's pair (`Config.grads_from_passes`, else ()))."""
     B, Tp, Hv, V = do.shape
     K = dfinal.shape[2]
     BV = min(cfg.block_v, V)
     nt = Tp // cfg.chunk_size
     sp = _sequence_specs(cfg, Tp, K, BV)
-    return pl.pallas_call(
+    dx_shapes = _pair_shapes(cfg, do.shape, True)
+    dh0, dends, *dx_pair = pl.pallas_call(
         functools.partial(_reverse_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
         in_specs=_source_specs(cfg, sp, "backward") + [sp["gate"], sp["square"], sp["square"], sp["value"],
                                                        sp["state"]],
-        out_specs=[sp["state"], sp["states"]],
+        out_specs=[sp["state"], sp["states"]] + [sp["value"]] * len(dx_shapes),
         out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32),
-                   jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))],
+                   jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))] + dx_shapes,
         compiler_params=_params(cfg.reverse_warps, cfg.pass_stages),
         interpret=cfg.interpret,
         name="kda_reverse",
     )(*src, beta, t, p, do, dfinal)
+    return dh0, dends, tuple(dx_pair)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1022,11 +1050,15 @@ def _grad_v_kernel(*refs, cfg: Config):
     dG with dE; dP (scaled, masked s <= t) and dL/d(diag(beta) R) (masked s < t) for the pair kernel.
 
     With stored operands the loop loads A (.) K and E (.) K as dot operands, and A, E are formed after it, for the
-    boundary terms only: fewer C x K fp32 tiles live across the loop."""
+    boundary terms only: fewer C x K fp32 tiles live across the loop. With `Config.grads_from_passes` it loads u
+    and dx as the passes saved them (bf16 pairs) instead of T, P and the products that form them."""
     n = _n_source(cfg, "backward") if cfg.operands == "stored" else 0
-    src = refs[:n]
-    (q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, doc_ref, carry_ref, tail_ref, t_ref, p_ref, r_ref, s0_ref,
-     dend_ref, do_ref, dv_ref, dq_ref, dk_ref, dg_ref, de_ref, dbeta_ref, dp_ref, dm_ref, dpt_ref, dmt_ref) = refs[n:]
+    n_saved = 4 if cfg.grads_from_passes else 2  # (u hi, u lo, dx hi, dx lo) or (T, P)
+    src, refs = refs[:n], refs[n:]
+    q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, doc_ref, carry_ref, tail_ref = refs[:9]
+    saved_refs = refs[9:9 + n_saved]
+    (r_ref, s0_ref, dend_ref, do_ref, dv_ref, dq_ref, dk_ref, dg_ref, de_ref, dbeta_ref, dp_ref, dm_ref, dpt_ref,
+     dmt_ref) = refs[9 + n_saved:]
     C, mode = cfg.chunk_size, cfg.dots
     K, V = k_ref.shape[-1], v_ref.shape[-1]
     BV = min(cfg.grad_block_v, V)
@@ -1037,9 +1069,19 @@ def _grad_v_kernel(*refs, cfg: Config):
         bound = boundary()
         inline = (bound.a * k_ref[...].astype(F32), bound.e * k_ref[...].astype(F32))
 
-    # T and P as dot operands (bf16 pairs for "split" products: the values `_dot` forms from them), loaded and split
-    # once for the V blocks (per V block: V kernel 4.47 -> 2.90 ms at 8x2048x16x128 bf16, H100, 2026-11-25).
-    t, p = (_split_bf16(x[...]) if mode == "split" else x[...] for x in (t_ref, p_ref))
+    if not cfg.grads_from_passes:
+        # T and P as dot operands (bf16 pairs for "split" products: the values `_dot` forms from them), loaded and
+        # split once for the V blocks (per V block: V kernel 4.47 -> 2.90 ms at 8x2048x16x128 bf16, H100,
+        # 2026-11-25).
+        t, p = (_split_bf16(x[...]) if mode == "split" else x[...] for x in saved_refs)
+
+    def u_and_dx(cols, y, do, dend, ke):
+        """(u, dx) of V block `cols`: fp32 or, as the passes saved them, (hi, lo) pairs."""
+        if cfg.grads_from_passes:
+            return tuple((hi[:, cols], lo[:, cols]) for hi, lo in (saved_refs[:2], saved_refs[2:]))
+        u = _odot(t, beta[:, None] * y, mode=mode)
+        du = cfg.scale * _odot(p, do, ta=True, mode=mode) + _odot(ke, dend, mode=cfg.state_dots)
+        return u, _odot(t, du, ta=True, mode=mode)  # dx = dL/d(beta y)
 
     def v_block(j, acc):
         dqa, dka, dke, dp, dm, dbeta, dgamma = acc
@@ -1051,16 +1093,15 @@ def _grad_v_kernel(*refs, cfg: Config):
         else:
             ka, ke = inline
         y = v_ref[:, cols].astype(F32) - _odot(ka, s0, mode=cfg.state_dots)
-        u = _odot(t, beta[:, None] * y, mode=mode)
-        du = cfg.scale * _odot(p, do, ta=True, mode=mode) + _odot(ke, dend, mode=cfg.state_dots)
-        dx = _odot(t, du, ta=True, mode=mode)  # dL/d(beta y)
+        u, dx_parts = u_and_dx(cols, y, do, dend, ke)
+        dx = _fp32(dx_parts)
         dv_ref[:, cols] = (beta[:, None] * dx).astype(dv_ref.dtype)
         late = cfg.grad_k_dots
         dqa = dqa + _dot(do, s0, tb=True, mode=late)  # / scale
         dka = dka - _dot(beta[:, None] * dx, s0, tb=True, mode=late)
-        dke = dke + _dot(u, dend, tb=True, mode=mode)
-        dp = dp + _dot(do, u, tb=True, mode=mode)  # / scale
-        dm = dm - _dot(dx, u, tb=True, mode=mode)  # dL/d(diag(beta) R) = -T^T du u^T
+        dke = dke + _nt_dot(u, dend, mode=mode)
+        dp = dp + _nt_dot(do, u, mode=mode)  # / scale
+        dm = dm - _nt_dot(dx_parts, u, mode=mode)  # dL/d(diag(beta) R) = -T^T du u^T
         dbeta = dbeta + jnp.sum(dx * y, axis=1)
         dgamma = dgamma + jnp.sum(s0.astype(F32) * dend.astype(F32), axis=1)
         return dqa, dka, dke, dp, dm, dbeta, dgamma
@@ -1089,6 +1130,27 @@ def _grad_v_kernel(*refs, cfg: Config):
     dg_ref[...] = (a * (q * dqa + k * dka)
                    + jnp.where(geo.rows == C - 1, (bound.gamma * dgamma)[None, :], 0.0))
     de_ref[...] = k * dke * e
+
+
+def _fp32(x):
+    """An fp32 value, or the fp32 sum of a (hi, lo) pair."""
+    return x[0].astype(F32) + x[1].astype(F32) if isinstance(x, tuple) else x
+
+
+def _nt_dot(a, b, *, mode):
+    """a b^T as `_dot(a, b, tb=True, mode=mode)` forms it, where a or b may also be a (hi, lo) pair saved by the
+    passes (its `_split_bf16`, so the same bf16 products: a pair against a bf16 operand two, three otherwise)."""
+    is_pair = lambda x: isinstance(x, tuple)
+    if not is_pair(a) and not is_pair(b):
+        return _dot(a, b, tb=True, mode=mode)
+    if mode != "split":
+        raise ValueError(f"saved (hi, lo) pairs need 'split' products, got {mode!r}")
+    if not is_pair(a) and b[0].dtype == a.dtype == BF16:
+        return _dot(a, b[0], tb=True) + _dot(a, b[1], tb=True)
+    if not is_pair(b) and a[0].dtype == b.dtype == BF16:
+        return _dot(a[0], b, tb=True) + _dot(a[1], b, tb=True)
+    a, b = (x if is_pair(x) else _split_bf16(x) for x in (a, b))
+    return _dot(a[0], b[0], tb=True) + (_dot(a[0], b[1], tb=True) + _dot(a[1], b[0], tb=True))
 
 
 def _grad_pair_kernel(*refs, cfg: Config):
@@ -1240,10 +1302,11 @@ def _pair_grads_sub_chunks(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_re
     _write_log_decay_grad(dlog_ref, [dg_rest[i] - row_block(k_ref, i) * right[i] for i in range(nb)], de_ref)
 
 
-def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do):
+def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do):
     """`_grad_v_kernel`, grid (S, chunks, B*Hv) with S = `Config.grad_v_splits` programs per chunk, each over V/S
     value columns: (dv, dq, dk, dG, dE, dbeta, dP, dM) with dq, dk, dG partial. Every output but dv is linear in
-    the V contractions, so the S programs' shares are summed here."""
+    the V contractions, so the S programs' shares are summed here. `saved`: (T, P), or with
+    `Config.grads_from_passes` the pairs of u and dx (u hi, u lo, dx hi, dx lo)."""
     B, Tp, _, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     C, S = cfg.chunk_size, cfg.grad_v_splits
@@ -1267,7 +1330,8 @@ def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts,
         grid_order=cfg.grid_order,
         in_specs=[lift(x) for x in (_source_specs(cfg, sp, "backward") if src else [])] + [
             lift(sp["key"]), lift(sp["key"]), value, lift(sp["gate"]), lift(sp["channel"]), lift(sp["channel"]),
-            lift(sp["seq"]), lift(sp["seq"]), lift(sp["seq"]), lift(sp["square"]), lift(sp["square"]),
+            lift(sp["seq"]), lift(sp["seq"]), lift(sp["seq"])] + (
+            [value] * 4 if cfg.grads_from_passes else [lift(sp["square"])] * 2) + [
             lift(sp["square"]), state, state, value],
         out_specs=[value, share(K), share(K), share(K), share(K), gate_share] + [share(C)] * n_square,
         out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), per_channel, per_channel, per_channel,
@@ -1275,7 +1339,7 @@ def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts,
         compiler_params=_params(cfg.grad_warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_grads_v",
-    )(*src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do)
+    )(*src, q, k, v, beta, g, glo, doc, carry, tail, *saved, r, starts, dends, do)
     total = lambda x: x[0] if S == 1 else jnp.sum(x, axis=0)
     return (dv,) + tuple(total(x) for x in (dq, dk, dg, de, dbeta)) + (tuple(total(x) for x in squares),)
 
@@ -1304,8 +1368,8 @@ def _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg, de):
     )(q, k, g, glo, beta, *squares, dq, dk, dg, de)))
 
 
-def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, dends, do):
-    dv, dq, dk, dg, de, dbeta, squares = _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r,
+def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do):
+    dv, dq, dk, dg, de, dbeta, squares = _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r,
                                                   starts, dends, do)
     dq, dk, dlog_decay = _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg, de)
     return dq, dk, dv, dbeta, dlog_decay
@@ -1435,22 +1499,24 @@ def _kda(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
 
 
 def _kda_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
-    # Residuals: the inputs, P, T and R (C x C per chunk) and the chunk start states (K x V fp32 per chunk).
+    # Residuals: the inputs, P, T and R (C x C per chunk), the chunk start states (K x V per chunk, fp32 or bf16)
+    # and, with `Config.grads_from_passes`, u's pair.
     g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail)
     t, p, r = _prepare(cfg, q, k, g, glo, beta, doc, with_r=True)
-    o, final, starts = _forward_pass(cfg, src, v, beta, t, p, h0, with_states=True)
-    return (o, final), (q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts)
+    o, final, starts, u_pair = _forward_pass(cfg, src, v, beta, t, p, h0, with_states=True)
+    return (o, final), (q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, u_pair)
 
 
 def _kda_bwd(cfg, residuals, cotangents):
-    q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts = residuals
+    q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, u_pair = residuals
     do, dfinal = cotangents
     do = do.astype(v.dtype)
     # Stored operands are formed again rather than saved: a chunk-parallel kernel, against 3 C x K pairs per chunk
     # kept alive from the forward to the backward.
     src = _source(cfg, q, k, g, glo, carry, tail, "backward")
-    dh0, dends = _reverse_pass(cfg, src, beta, t, p, do, dfinal.astype(F32))
-    dq, dk, dv, dbeta, dlog_decay = _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts,
+    dh0, dends, dx_pair = _reverse_pass(cfg, src, beta, t, p, do, dfinal.astype(F32))
+    saved = u_pair + dx_pair if cfg.grads_from_passes else (t, p)
+    dq, dk, dv, dbeta, dlog_decay = _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts,
                                            dends, do)
     B, Tp, H, K = q.shape
     G = cfg.value_heads // H
@@ -1488,7 +1554,9 @@ NARROW_PASS_STAGES = 2
 def default_config(q, v, *, scale, chunk_size, segmented, interpret):
     """fp32 inputs get IEEE fp32 products everywhere; 16-bit inputs the bf16x3 "split" products, except, for
     bfloat16 inputs, plain bf16 operands in the products that tolerate them (`TOLERANT_DOT_MODES`) and bf16 saved
-    states (`STATE_STORAGES`).
+    states (`STATE_STORAGES`); with "split" products the passes save u and dx for the V gradient kernel
+    (`Config.grads_from_passes`: its spills at 255 registers had made it the largest kernel). H100, 8x2048x16x128
+    bf16, 2026-11-27: forward+backward 5.47 -> 5.09 ms (bf16 states) -> 4.58 (both).
 
     Register pressure sets the rest (H100, 8x2048x16x128 bf16, 2026-11-25, docs/kernels.md): stored operands
     (passes 3.6 -> 0.9 ms forward, 4.1 -> 1.1 ms reverse; one pipeline stage, two asked for more shared memory
@@ -1515,7 +1583,8 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=2,
                   grad_warps=8, pair_warps=4, stages=2, interpret=interpret,
                   operands="stored", pass_stages=pass_stages, block_k=32, pair_block_k=32, reverse_warps=4,
-                  cumsum="with_operands", span_limit=SPAN_LIMIT, state_storage="bf16" if bf16 else "fp32")
+                  cumsum="with_operands", span_limit=SPAN_LIMIT, state_storage="bf16" if bf16 else "fp32",
+                  grads_from_passes=dots == "split")
 
 
 def _pow2_at_least_16(n):

@@ -854,7 +854,7 @@ def _forward_kernel(*refs, cfg: Config, nt: int):
             saved_refs[0][per_chunk, :] = s.astype(saved_refs[0].dtype)
         ops = _load_operands(cfg, geo, src, rows, per_chunk, "forward")
         u = _pseudo_values(cfg, ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s)
-        _store_pair(saved_refs[1:], rows, u)
+        _store_pair(cfg, saved_refs[1:], rows, u)
         o = cfg.scale * (_odot(ops.qa, s, mode=cfg.state_dots) + _dot(p_ref[rows, :], u, mode=mode))
         o_ref[rows, :] = o.astype(o_ref.dtype)
         return ops.gamma[:, None] * s + _odot(ops.ke, u, ta=True, mode=mode)
@@ -876,7 +876,7 @@ def _state_kernel(*refs, cfg: Config, nt: int):
         states_ref[per_chunk, :] = s.astype(states_ref.dtype)
         ops = _load_operands(cfg, geo, src, rows, per_chunk, "forward", with_q=False)
         u = _pseudo_values(cfg, ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s)
-        _store_pair(u_refs, rows, u)
+        _store_pair(cfg, u_refs, rows, u)
         return ops.gamma[:, None] * s + _odot(ops.ke, u, ta=True, mode=mode)
 
     final_ref[...] = lax.fori_loop(0, nt, chunk, h0_ref[...])
@@ -916,10 +916,10 @@ def _state_dtype(cfg):
     return BF16 if cfg.state_storage == "bf16" else F32
 
 
-def _store_pair(refs, rows, x):
-    """x (fp32) at `rows` of (hi, lo) refs as `_split_bf16`; nothing when refs is empty."""
+def _store_pair(cfg, refs, rows, x):
+    """u or dx at `rows` of the (hi, lo) refs that save it (`_store_parts`); nothing when refs is empty."""
     if refs:
-        refs[0][rows, :], refs[1][rows, :] = _split_bf16(x)
+        _store_parts(cfg, refs, (rows, slice(None)), x)
 
 
 def _pair_shapes(cfg, shape, saved):
@@ -1010,7 +1010,7 @@ def _reverse_kernel(*refs, cfg: Config, nt: int):
         # Through (5) and (6): du = scale P^T dO + (E (.) K) dS_1; through (4): d(beta y) = T^T du.
         du = cfg.scale * _dot(p_ref[rows, :], do, ta=True, mode=mode) + _odot(ops.ke, ds, mode=cfg.state_dots)
         dx = _dot(t_ref[rows, :], du, ta=True, mode=mode)
-        _store_pair(dx_refs, rows, dx)
+        _store_pair(cfg, dx_refs, rows, dx)
         return (ops.gamma[:, None] * ds + cfg.scale * _odot(ops.qa, do, ta=True, mode=cfg.state_dots)
                 - _odot(ops.ak, beta_ref[rows][:, None] * dx, ta=True, mode=mode))
 

@@ -391,8 +391,11 @@ def test_tolerant_bf16_dots_on_adversarial_in_interpreter(family):
     _check(x, BF16_OUT_TOL, _bf16_grad_tol, label=f"tolerant-bf16-{family}")
 
 
-def _kernel_output_dtypes(fn, *args):
-    """{Pallas kernel name: its output dtypes} for every `pallas_call` in fn's jaxpr, nested ones included."""
+def _kernel_output_dtypes(fn, x):
+    """{Pallas kernel name: its output dtypes} for every `pallas_call` in the jaxpr of the gradient of fn's output
+    (w.r.t. q, k, v) on inputs x, nested ones included."""
+    names = [n for n in ARG_NAMES if x[n] is not None]
+    loss = lambda *args: jnp.sum(_call_eager(fn, dict(x, **dict(zip(names, args))))[0].astype(jnp.float32))
     found = {}
 
     def walk(jaxpr):
@@ -406,7 +409,7 @@ def _kernel_output_dtypes(fn, *args):
                     elif isinstance(sub, jax.extend.core.Jaxpr):
                         walk(sub)
 
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*[x[n] for n in names]).jaxpr)
     return found
 
 
@@ -424,14 +427,12 @@ def test_bf16_saved_states_change_only_the_products_that_read_them_finer():
     fp16 = default_config(x["q"].astype(jnp.float16), x["v"], scale=1.0, chunk_size=64, segmented=True,
                           interpret=True)
     assert fp16.state_storage == "fp32" and fp16.state_dots == "split"
-    names = [n for n in ARG_NAMES if x[n] is not None]
     results = {}
     for storage in ("bf16", "fp32"):
         fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, state_storage=storage))
         _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"states-{storage}")
         results[storage] = dict(zip(("o", "state"), _call(fn, x)), **_grads(fn, x))
-        loss = lambda *args: jnp.sum(_call_eager(fn, dict(x, **dict(zip(names, args))))[0].astype(jnp.float32))
-        dtypes = _kernel_output_dtypes(jax.grad(loss, argnums=(0, 1, 2)), *[x[n] for n in names])
+        dtypes = _kernel_output_dtypes(fn, x)
         saved = jnp.bfloat16 if storage == "bf16" else jnp.float32
         # the forward pass: o, final state, start states (, u's pair); the reverse: dh0, end cotangents (, dx's)
         assert dtypes["kda_forward"][2] == dtypes["kda_reverse"][1] == saved, dtypes
@@ -526,15 +527,13 @@ def test_gradients_from_the_passes_equal_recomputed_in_interpreter(forward, dtyp
     x["scale"] = 64 ** -0.5
     cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
     assert cfg.dots == "split" and cfg.grads_from_passes
-    names = [n for n in ARG_NAMES if x[n] is not None]
     results = {}
     for from_passes in (True, False):
         fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(
             cfg, forward=forward, grads_from_passes=from_passes))
         _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"from_passes={from_passes}-{forward}-{dtype}")
         results[from_passes] = (_call(fn, x), _grads(fn, x))
-        loss = lambda *args: jnp.sum(_call_eager(fn, dict(x, **dict(zip(names, args))))[0].astype(jnp.float32))
-        dtypes = _kernel_output_dtypes(jax.grad(loss, argnums=(0, 1, 2)), *[x[n] for n in names])
+        dtypes = _kernel_output_dtypes(fn, x)
         # the forward pass: o, final state, start states (+ u hi, lo); the reverse: dh0, end cotangents (+ dx's)
         saves = [jnp.bfloat16] * 2 if from_passes else []
         pass_name = "kda_state_pass" if forward == "split" else "kda_forward"

@@ -57,6 +57,8 @@ VARIANTS = {
     # No plain-bf16 products (the default before 11-25), so fp32 saved states.
     "all_split": dict(state_dots="split", grad_k_dots="split", state_storage="fp32"),
     "states_fp32": dict(state_storage="fp32"),  # the saved states as before 11-27 (`kda.STATE_STORAGES`)
+    # (A (.) Q) S_0 of the output with plain bf16 operands, as until 2026-11-27 evening (`Config.output_dots`).
+    "output_bf16": dict(output_dots="bf16"),
     # The V gradient kernel forming u and dx from T, P and the states, as before 11-27 (the default reads them as
     # the passes saved them, `Config.grads_from_passes`).
     "recomputed_u_dx": dict(grads_from_passes=False),

@@ -73,7 +73,8 @@ inputs): each fp32 operand x is written as hi + lo with hi = bf16(x), lo = bf16(
 from bf16 tensor-core dots hi*hi + hi*lo + lo*hi (~2^-16 relative per product; TF32 would give ~2^-11, which the
 inverse can amplify for correlated keys). For bfloat16 inputs the products with a chunk state or state cotangent,
 and dO S_0^T, dx S_0^T, take plain bf16 operands (`Config.state_dots`, `Config.grad_k_dots`, TOLERANT_DOT_MODES),
-and the saved start states and end-state cotangents are stored in bf16 (`Config.state_storage`).
+and the saved start states and end-state cotangents are stored in bf16 (`Config.state_storage`); the output's
+(A (.) Q) S_0 stays "split" (`Config.output_dots`).
 The inverse's own substitution and merges are always IEEE fp32.
 """
 
@@ -140,7 +141,8 @@ OPERAND_METHODS = ("inline", "stored")
 # kernel reads G back to form them; the backward still runs `_operands_kernel`.
 CUMSUM_METHODS = ("xla", "kernel", "with_operands")
 # The products that tolerate plain bf16 operands for bf16 inputs (`Config.state_dots`, `Config.grad_k_dots`): the
-# products of a chunk operand with a chunk state or state cotangent, and those of dO and dx with S_0. Measured in
+# products of a chunk operand with a chunk state or state cotangent, and those of dO and dx with S_0; not the
+# output's (A (.) Q) S_0 (`Config.output_dots`), which decides o where the state dominates it. Measured in
 # the interpreter on the adversarial families (docs/kernels.md, "KDA: bf16 products"): u dS_end^T and the dR
 # products, tolerant in the scalar-decay kernels, took d(log_decay) over its bound with correlated keys (one
 # gradient per channel here, not a sum over channels), so they stay "split" with T, P, E (.) K^T u, dO u^T, dx u^T.
@@ -194,7 +196,10 @@ class Config:
     grid_order: str = "chunks"  # launch order of the chunk-parallel kernels (`common.GRID_ORDERS`)
     cumsum: str = "xla"  # CUMSUM_METHODS
     partner_rows: str = "loaded"  # PARTNER_ROWS: how prepare's partner loop gets the partner tokens' rows
-    state_dots: str = "split"  # (A.K) S_0, (A.Q) S_0, (E.K) dS, (A.Q)^T dO (TOLERANT_DOT_MODES)
+    state_dots: str = "split"  # (A.K) S_0, (E.K) dS, (A.Q)^T dO (TOLERANT_DOT_MODES)
+    # (A.Q) S_0 in the forward's output (TOLERANT_DOT_MODES): plain bf16 operands took o of a short sequence from an
+    # initial state (decoding) over the bf16 output bound (docs/kernels.md, "KDA: the output's state product").
+    output_dots: str = "split"
     grad_k_dots: str = "split"  # the V gradient kernel's dO S_0^T and dx S_0^T (TOLERANT_DOT_MODES)
     span_limit: float | None = None  # chunks whose gate span is at most this take one reference (`_bounded_span`)
     # Set by `_when_all_bounded` for the kernels of a call whose chunks all span at most `span_limit`: one reference
@@ -625,7 +630,7 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
         raise ValueError(f"config.prepare must be one of {PREPARE_METHODS}, got {cfg.prepare!r}")
     if cfg.dots not in DOT_MODES:
         raise ValueError(f"config.dots must be one of {DOT_MODES}, got {cfg.dots!r}")
-    for name in ("state_dots", "grad_k_dots"):
+    for name in ("state_dots", "grad_k_dots", "output_dots"):
         if getattr(cfg, name) not in TOLERANT_DOT_MODES:
             raise ValueError(f"config.{name} must be one of {TOLERANT_DOT_MODES}, got {getattr(cfg, name)!r}")
     if cfg.forward not in FORWARD_METHODS:
@@ -699,16 +704,17 @@ PHASES = ("forward", "backward")  # which passes read the stored operands (`_ope
 
 def _operand_parts(cfg, phase):
     """The bf16 parts stored of A (.) Q, A (.) K and E (.) K for the passes of `phase`: 2 (hi, lo) where one of
-    their products is "split", 1 (hi) where all are plain bf16 (`Config.state_dots`); fp32 operands are one fp32
-    tile each. Forward: (A.Q) S_0 and (A.K) S_0 are state products, (E.K)^T u is "split". Backward (the reverse
-    pass and the V kernel): (A.Q)^T dO, (E.K) dS and (A.K) S_0 are state products, (A.K)^T (beta dx) is "split".
-    For bfloat16 inputs that stores 4 bf16 tiles per phase instead of 6."""
+    their products is "split", 1 (hi) where all are plain bf16 (`Config.state_dots`, `Config.output_dots`); fp32
+    operands are one fp32 tile each. Forward: (A.Q) S_0 is the output's state product, (A.K) S_0 a state product,
+    (E.K)^T u is "split". Backward (the reverse pass and the V kernel): (A.Q)^T dO, (E.K) dS and (A.K) S_0 are state
+    products, (A.K)^T (beta dx) is "split". For bfloat16 inputs that stores 5 bf16 tiles in the forward and 4 in
+    the backward instead of 6 each."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
     if cfg.dots != "split":
         return 1, 1, 1
     state = 1 if cfg.state_dots == "bf16" else 2
-    return (state, state, 2) if phase == "forward" else (state, 2, state)
+    return (1 if cfg.output_dots == "bf16" else 2, state, 2) if phase == "forward" else (state, 2, state)
 
 
 def _source(cfg, q, k, g, glo, carry, tail, phase):
@@ -855,7 +861,7 @@ def _forward_kernel(*refs, cfg: Config, nt: int):
         ops = _load_operands(cfg, geo, src, rows, per_chunk, "forward")
         u = _pseudo_values(cfg, ops.ak, v_ref[rows, :], t_ref[rows, :], beta_ref[rows], s)
         _store_pair(cfg, saved_refs[1:], rows, u)
-        o = cfg.scale * (_odot(ops.qa, s, mode=cfg.state_dots) + _dot(p_ref[rows, :], u, mode=mode))
+        o = cfg.scale * (_odot(ops.qa, s, mode=cfg.output_dots) + _dot(p_ref[rows, :], u, mode=mode))
         o_ref[rows, :] = o.astype(o_ref.dtype)
         return ops.gamma[:, None] * s + _odot(ops.ke, u, ta=True, mode=mode)
 
@@ -892,7 +898,7 @@ def _output_kernel(*refs, cfg: Config):
     s = s_ref[...]
     ops = _load_operands(cfg, _geometry(cfg.chunk_size), src, slice(None), slice(None), "forward")
     u = _pseudo_values(cfg, ops.ak, v_ref[...], t_ref[...], beta_ref[...], s)
-    o = cfg.scale * (_odot(ops.qa, s, mode=cfg.state_dots) + _dot(p_ref[...], u, mode=mode))
+    o = cfg.scale * (_odot(ops.qa, s, mode=cfg.output_dots) + _dot(p_ref[...], u, mode=mode))
     o_ref[...] = o.astype(o_ref.dtype)
 
 
@@ -1556,7 +1562,9 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
     bfloat16 inputs, plain bf16 operands in the products that tolerate them (`TOLERANT_DOT_MODES`) and bf16 saved
     states (`STATE_STORAGES`); with "split" products the passes save u and dx for the V gradient kernel
     (`Config.grads_from_passes`: its spills at 255 registers had made it the largest kernel). H100, 8x2048x16x128
-    bf16, 2026-11-27: forward+backward 5.47 -> 5.09 ms (bf16 states) -> 4.58 (both).
+    bf16, 2026-11-27: forward+backward 5.47 -> 5.09 ms (bf16 states) -> 4.58 (both). The output's state product
+    stays "split" (`Config.output_dots`; plain bf16 there took decoding's o over the 3e-3 bound): forward 1.13 ->
+    1.46 ms, forward+backward 4.58 -> 4.90 ms.
 
     Register pressure sets the rest (H100, 8x2048x16x128 bf16, 2026-11-25, docs/kernels.md): stored operands
     (passes 3.6 -> 0.9 ms forward, 4.1 -> 1.1 ms reverse; one pipeline stage, two asked for more shared memory
@@ -1577,7 +1585,7 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
         block_v, pass_stages = one_per_sm, NARROW_PASS_STAGES
     return Config(scale=float(scale), chunk_size=int(chunk_size), key_heads=q.shape[2], value_heads=v.shape[2],
                   segmented=segmented, dots=dots, inverse="rows" if fp32 else "blocks", state_dots=tolerant,
-                  grad_k_dots=tolerant,
+                  grad_k_dots=tolerant, output_dots=dots,
                   prepare="partner",
                   block_v=block_v,
                   grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=2,

@@ -520,10 +520,14 @@ def _assert_equal_up_to_16_bit_rounding(first, second, *, per_element=True):
     Without `per_element`, 16-bit leaves are held to 5e-4 relative (a sixth of the bf16 output bound against the
     scan) instead of one ulp per element: where an fp32 intermediate that differs in its last bits becomes a bf16
     product operand (beta dx in dx S_0^T), a flipped operand rounding moves one term by 2^-8 of itself, which
-    exceeds an ulp of an output that cancels (measured on the H100: one element of dk in 16640)."""
+    exceeds an ulp of an output that cancels (measured on the H100: one element of dk in 16640). The same bound then
+    holds the fp32 leaves, since the flipped term reaches them too: d(log_decay) sums k (.) dk, and the in-chunk
+    reverse cumsum carries one token's change to every earlier token of its chunk (CI, seed 1295721512: token 2's
+    terms changed in 28 of 64 channels of one head, which moved d(log_decay) at tokens 0-2 by the same amounts and
+    nowhere else, 5.7e-5 relative; 12 more draws: at most 4.2e-6 in 11, 3.2e-5 in one)."""
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         if a.dtype == jnp.float32:
-            assert relative_error(a, b) <= 1e-5, (a.dtype, a.shape)
+            assert relative_error(a, b) <= (1e-5 if per_element else 5e-4), (a.dtype, a.shape)
             continue
         mantissa_bits = jnp.finfo(a.dtype).nmant  # 7 (bf16), 10 (fp16)
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)

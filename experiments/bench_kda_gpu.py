@@ -79,6 +79,8 @@ VARIANTS = {
     "pass_stages2_warps8": dict(pass_stages=2, warps=8, reverse_warps=8),
     "bv32_stages2": dict(block_v=32, pass_stages=2),  # one program per SM at 2x8192x16x128
     "split_forward": dict(forward="split"),  # a pass carrying only the state, then the output chunk-parallel
+    # the output kernel reading fp32 start states (with bf16 ones it rounds S_0 in (A (.) Q) S_0)
+    "split_forward_fp32": dict(forward="split", state_storage="fp32"),
     "split_forward_obv32": dict(forward="split", output_block_v=32),
     "split_forward_obv128": dict(forward="split", output_block_v=128),
     "split_forward_warps8": dict(forward="split", warps=8),

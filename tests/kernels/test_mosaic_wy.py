@@ -81,6 +81,16 @@ def test_packed_documents_without_decay_in_interpreter():
     _check(_bf16_inputs(fresh_key(), B=1, T=200, H=1, beta_max=2.0, decay="none", packed=True))
 
 
+@pytest.mark.parametrize("config", ["default", "state_split"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_decoding_from_a_state_in_interpreter(T, config):
+    """A few tokens from an initial state (decoding), where o is mostly Q S_0: with the default's bf16(S_0) the
+    error measured 1.41-1.44x the bf16 rounding of the scan's output (2.3e-3 to 2.4e-3 at T = 1, 6 draws,
+    2026-11-28), inside the bound; with "split" state products, the rounding alone (`_check`)."""
+    x = _bf16_inputs(fresh_key(), B=2, T=T, H=2, beta_max=2.0, with_initial_state=True)
+    _check(x, config=INTERPRETED_CONFIGS[config])
+
+
 # Configs the interpreter runs (P from SMEM), each differing from its default in one knob.
 _INTERPRETED = mosaic_wy.default_config(interpret=True)
 INTERPRETED_CONFIGS = {
@@ -480,6 +490,15 @@ def test_gradient_lowers_for_cuda(config):
 @pytest.mark.parametrize("packed", [False, True])
 def test_gpu_matches_scan(packed, config):
     _check(_bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=packed, with_initial_state=True),
+           config=GPU_CONFIGS[config])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config", ["default", "shared_head", "state_split"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_gpu_decoding_from_a_state(T, config):
+    """Compiled, a few tokens from an initial state (see `test_decoding_from_a_state_in_interpreter`)."""
+    _check(_bf16_inputs(fresh_key(), B=2, T=T, H=4, beta_max=2.0, with_initial_state=True),
            config=GPU_CONFIGS[config])
 
 

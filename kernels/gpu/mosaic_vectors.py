@@ -16,9 +16,9 @@ is one kernel, one program per (chunk, batch row) with the heads as the lanes (t
 Whole tiles, no loop over the rows, and tensor-core products (H100, 8x2048x16x128, 2026-11-27): a first version
 walked the 64 rows in a `fori_loop`, waiting on each row's load (the forward's inputs took 0.204 ms against 0.168
 with XLA's fusions); whole tiles with IEEE fp32 products on one warp took 25-27 us (prologue) and 28-32 us
-(epilogue); with the in-chunk sums as tensor-core products with 0/1 matrices (`masked_sum`) on 4 warps, 8 and 10 us. Heads are padded to a power of two
-of at least 16 lanes (Triton's arrays and dots). The tests hold both kernels to float64 oracles and to the XLA
-functions they replace (`tests/kernels/test_mosaic_vectors.py`).
+(epilogue); with the in-chunk sums as tensor-core products with 0/1 matrices (`masked_sum`) on 4 warps, 8 and 10
+us. Heads are padded to a power of two of at least 16 lanes (Triton's arrays and dots). The tests hold both
+kernels to float64 oracles and to the XLA functions they replace (`tests/kernels/test_mosaic_vectors.py`).
 """
 
 from __future__ import annotations

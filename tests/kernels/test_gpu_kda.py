@@ -548,8 +548,8 @@ def test_gradients_from_the_passes_equal_recomputed_in_interpreter(forward, dtyp
     gradient kernel reads them, where otherwise it forms them again from T, P and the saved states with the same
     products. Both at the bounds against the scan, and equal to each other up to fp32 summation order, the pairs'
     2^-18 and the bf16 operand roundings that flips (`_assert_equal_up_to_16_bit_rounding`); K = 64, V = 32,
-    documents, an initial state, one value head per key head (dq, dk rounded once, not summed over value heads). The pass outputs that save them exist
-    only then, and "highest" products (fp32 inputs) refuse the pairs."""
+    documents, an initial state, one value head per key head (dq, dk rounded once, not summed over value heads).
+    The pass outputs that save them exist only then, and "highest" products (fp32 inputs) refuse the pairs."""
     x = _inputs(T=130, B=1, H=2, Hv=2, K=64, V=32)
     x = dict(x, **{n: x[n].astype(dtype) for n in ("q", "k", "v")})
     x["scale"] = 64 ** -0.5

@@ -28,7 +28,8 @@ SCALE = D ** -0.5
 # fp32 from products in the split mode on both sides (~2^-16 relative per product), the Mosaic kernel reading u and
 # dx as bf16 pairs (2^-17 relative) where the Triton one splits fp32 values; d(log_decay) sums them with
 # cancellation (reverse cumsums). In the interpreter (2026-11-26): dbeta 1.6e-6 to 2.3e-6, d(log_decay) 7e-7 to
-# 2.3e-5 over six draws.
+# 2.3e-5 over six draws; 2026-11-28, 150 draws over the five input cases (u read from the pass): dbeta at most 3.2e-6,
+# d(log_decay) 5.3e-5, dq / dk / dv 1.0e-4 / 2.5e-4 / 2.6e-4.
 TOLS = dict(dq=4e-3, dk=4e-3, dv=4e-3, dbeta=1e-4, dlog=1e-4)
 
 

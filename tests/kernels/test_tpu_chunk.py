@@ -185,8 +185,8 @@ def _strong_decay(family, x):
 def test_log_decay_minus_20_on_every_token(op, family):
     """d(log_decay) is ~exp(-20) where every gate is -20: it must not carry O(eps) residues of the O(1) terms
     whose decay is exactly 1 (pairs t = s; e_s = exp(G_C - G_s) of the chunk's last token and of the last real
-    token before a padded tail). T = 130 is not a chunk multiple, with packed documents and an initial state. The gate gradients are
-    compared per value head, so the mixed head (O(1) gradients) cannot hide the all -20 head."""
+    token before a padded tail). T = 130 is not a chunk multiple, with packed documents and an initial state. The
+    gate gradients are compared per value head, so the mixed head (O(1) gradients) cannot hide the all -20 head."""
     x = _inputs(op)
     x["log_decay"] = _strong_decay(family, x)
     key = fresh_key()

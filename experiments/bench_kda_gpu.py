@@ -81,6 +81,14 @@ VARIANTS = {
     "split_forward": dict(forward="split"),  # a pass carrying only the state, then the output chunk-parallel
     # the output kernel reading fp32 start states (with bf16 ones it rounds S_0 in (A (.) Q) S_0)
     "split_forward_fp32": dict(forward="split", state_storage="fp32"),
+    # the forward pass in Mosaic GPU (Hopper), state blocks of 64 or 32 columns
+    "mosaic_pass": dict(pass_backend="mosaic", mosaic_block_v=64),
+    "mosaic_pass_bv32": dict(pass_backend="mosaic", mosaic_block_v=32),
+    "mosaic_pass_output_bf16": dict(pass_backend="mosaic", output_dots="bf16"),
+    "mosaic_shared_head": dict(pass_backend="mosaic", mosaic_shared_head=True),  # one CTA per head
+    "mosaic_reverse": dict(pass_backend="mosaic", reverse_backend="mosaic"),  # both passes in Mosaic GPU
+    "mosaic_shared_head_reverse": dict(pass_backend="mosaic", mosaic_shared_head=True, reverse_backend="mosaic"),
+    "mosaic_shared_head_output_bf16": dict(pass_backend="mosaic", mosaic_shared_head=True, output_dots="bf16"),
     "split_forward_obv32": dict(forward="split", output_block_v=32),
     "split_forward_obv128": dict(forward="split", output_block_v=128),
     "split_forward_warps8": dict(forward="split", warps=8),

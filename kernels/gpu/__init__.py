@@ -15,8 +15,10 @@ chunk size 64, at most `MAX_BATCH_HEADS` batch x value-head pairs. For the delta
 reverse passes (from 32 value heads per call; the Triton ones below) and its chunk-parallel gradient kernel in
 Mosaic GPU; the gates and per-token vectors around them are two small Triton kernels (`mosaic_vectors.py`).
 `supports_mosaic`: the GPU backend on a compute capability 9.x device, the delta rule with no or a scalar decay,
-bfloat16 q/k/v, K = V = 128, Hv a multiple of H, chunk size 64. "auto" prefers it over "pallas"
-(`MOSAIC_PRIORITY`): measured as fast or faster forward and forward+backward at every size timed
+bfloat16 q/k/v, K = V = 128, Hv a multiple of H, chunk size 64. For KDA (`supports_mosaic_kda`: what
+`supports_kda` takes, bfloat16, K = V = 128, on Hopper) "mosaic" runs the KDA kernels with `kda.mosaic_config`,
+whose forward pass is the Mosaic GPU one (`mosaic_kda.py`) from 64 value heads per call. "auto" prefers "mosaic"
+over "pallas" (`MOSAIC_PRIORITY`): measured as fast or faster forward and forward+backward at every size timed
 (docs/benchmarks.md).
 
 On a machine without a GPU the same kernels run in Pallas's interpreter through `wy_chunk.chunk_wy(...,
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import jax
 
-from deltajax.kernels.gpu import kda, mosaic_wy, wy_chunk
+from deltajax.kernels.gpu import kda, mosaic_kda, mosaic_wy, wy_chunk
 from deltajax.kernels.gpu.wy_chunk import chunk_wy
 from deltajax.rules import dispatch
 
@@ -94,10 +96,30 @@ def supports_mosaic(call: dispatch.RuleCall) -> bool:
     return hopper_compute_capability()
 
 
+def supports_mosaic_kda(call: dispatch.RuleCall) -> bool:
+    """KDA with its forward pass in Mosaic GPU (`kda.mosaic_config`, `mosaic_kda.py`): what `supports_kda` accepts,
+    bfloat16, K = V = 128, on Hopper."""
+    if not supports_kda(call) or call.dtype != "bfloat16":
+        return False
+    if call.key_dim != mosaic_kda.HEAD_DIM or call.value_dim != mosaic_kda.HEAD_DIM:
+        return False
+    return hopper_compute_capability()
+
+
+def supports_mosaic_delta_rule(call: dispatch.RuleCall) -> bool:
+    return supports_mosaic(call) or supports_mosaic_kda(call)
+
+
 def mosaic_delta_rule(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64,
                       state_passing="sequential"):
-    """The dispatch's signature for `mosaic_wy.chunk_wy_mosaic` (the state is always passed sequentially)."""
+    """The dispatch's signature for `mosaic_wy.chunk_wy_mosaic`, and for per-channel log-decays [B, T, Hv, K] the
+    KDA kernels with `kda.mosaic_config` (the state is always passed sequentially)."""
     del state_passing
+    if log_decay is not None and log_decay.ndim == 4:
+        config = kda.mosaic_config(q, v, scale=scale, chunk_size=chunk_size, segmented=segment_ids is not None,
+                                   interpret=jax.default_backend() != "gpu")
+        return kda.kda_chunk(q, k, v, beta, log_decay, scale=scale, initial_state=initial_state,
+                             segment_ids=segment_ids, chunk_size=chunk_size, config=config)
     return mosaic_wy.chunk_wy_mosaic(q, k, v, beta, log_decay, scale=scale, initial_state=initial_state,
                                      segment_ids=segment_ids, chunk_size=chunk_size)
 
@@ -111,9 +133,10 @@ def chunked_delta_rule(q, k, v, beta, log_decay, **kwargs):
 
 dispatch.register("delta_rule", NAME, chunked_delta_rule, supports=supports_delta_rule, priority=PRIORITY)
 dispatch.register("linear_attention", NAME, chunk_wy, supports=supports, priority=PRIORITY)
-dispatch.register("delta_rule", MOSAIC_NAME, mosaic_delta_rule, supports=supports_mosaic, priority=MOSAIC_PRIORITY)
+dispatch.register("delta_rule", MOSAIC_NAME, mosaic_delta_rule, supports=supports_mosaic_delta_rule,
+                  priority=MOSAIC_PRIORITY)
 
 __all__ = ["CHUNK_SIZES", "DTYPES", "HEAD_DIMS", "KDA_DTYPES", "KDA_HEAD_DIMS",
            "MOSAIC_NAME", "MOSAIC_PRIORITY", "NAME", "chunk_wy", "chunked_delta_rule", "hopper_compute_capability",
-           "kda", "mosaic_delta_rule", "mosaic_wy", "supports",
-           "supports_delta_rule", "supports_kda", "supports_mosaic", "wy_chunk"]
+           "kda", "mosaic_delta_rule", "mosaic_kda", "mosaic_wy", "supports", "supports_delta_rule", "supports_kda",
+           "supports_mosaic", "supports_mosaic_delta_rule", "supports_mosaic_kda", "wy_chunk"]

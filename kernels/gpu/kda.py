@@ -53,6 +53,8 @@ the index maps, never a repeated copy):
   (`Config.grads_from_passes`) u as a bf16 (hi, lo) pair.
   With `Config.forward="split"` instead: `_state_kernel` (same grid and loop, (4) and (6) only, always writing the
   start states), then `_output_kernel`, grid (V/BV_out, chunks, B*Hv), (4) and (5) from the saved start states.
+  With `Config.pass_backend="mosaic"` (Hopper, bf16, K = V = 128; `mosaic_config`): the same pass in Mosaic GPU
+  (`mosaic_kda.py`), reading T and P as bf16 (hi, lo) pairs, which prepare then writes and the reverse pass reads.
 - `_reverse_kernel`, grid (V/BV, B*Hv): the same loop backwards carrying dL/dS; writes every chunk's end-state
   cotangent, dL/d(initial_state) and (`Config.grads_from_passes`) dx = dL/d(beta y) as a bf16 pair.
 - `_grad_v_kernel`, grid (chunks, B*Hv): the V contractions of one chunk, chunk-parallel, from the saved start
@@ -89,6 +91,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from deltajax.kernels.gpu import mosaic_kda
 from deltajax.kernels.gpu.common import chunk_parallel_call as _chunk_parallel_call
 from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
@@ -159,6 +162,7 @@ SPAN_LIMIT = 30.0
 # (E (.) K)-side u dS_end^T (u's split against bf16 dS_end: two bf16 dots instead of three) and the fp32 sum of
 # S_0 (.) dS_end behind gamma's gradient, both rounded once more than with fp32 storage.
 STATE_STORAGES = ("fp32", "bf16")
+PASS_BACKENDS = ("triton", "mosaic")
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
 
 __all__ = ["CHUNK_SIZES", "CUMSUM_METHODS", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM",
@@ -212,6 +216,16 @@ class Config:
     # gradient kernel reads them instead of forming them again from T, P and the states (no products with T or P,
     # nor (E (.) K) dS_end, in its loop; T and P are not kept in its registers).
     grads_from_passes: bool = False
+    # The forward pass's kernel (PASS_BACKENDS): "triton" (`_forward_kernel`) or "mosaic", the same pass in Mosaic GPU
+    # on Hopper (`mosaic_kda.forward_pass`: bf16 inputs, K = V = 128, stored operands, plain bf16 state products),
+    # with state blocks of `mosaic_block_v` columns.
+    pass_backend: str = "triton"
+    mosaic_block_v: int = 64
+    mosaic_shared_head: bool = False  # one CTA per value head (`mosaic_kda._body_shared_head`; V blocks of 64)
+    # The reverse pass's kernel (PASS_BACKENDS): "mosaic" (`mosaic_kda.reverse_pass`, V blocks of `mosaic_block_v`)
+    # needs the Mosaic forward pass (T and P as pairs) and the backward's stored operands with plain bf16 state
+    # products. Not yet timed on the H100, so not a default.
+    reverse_backend: str = "triton"
 
 
 def _masked_exp(mask, x):
@@ -484,6 +498,35 @@ def _inverse_blocks(a, nb):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class _PairRef:
+    """An fp32 C x C output or input of a kernel (T or P) held as two bf16 refs (hi, lo) = `_split_bf16` of it:
+    stores split, loads give hi + lo, from which a "split" product's own split takes back the same hi and lo."""
+
+    def __init__(self, hi_ref, lo_ref):
+        self.hi_ref, self.lo_ref = hi_ref, lo_ref
+
+    def __setitem__(self, index, x):
+        self.hi_ref[index], self.lo_ref[index] = _split_bf16(x)
+
+    def __getitem__(self, index):
+        return self.hi_ref[index].astype(F32) + self.lo_ref[index].astype(F32)
+
+
+def _square_pairs(cfg):
+    """Whether T and P pass between the kernels as bf16 (hi, lo) pairs: where the Mosaic forward pass reads them
+    (its wgmma operands are bf16), so that prepare writes them and the Triton reverse pass reads them (the same
+    bytes as fp32)."""
+    return cfg.pass_backend == "mosaic"
+
+
+def _with_square_pairs(kernel, n_before):
+    """`kernel` whose T and P refs (after the first `n_before` refs) arrive as (hi, lo) pairs of refs."""
+    def wrapped(*refs, cfg):
+        t_hi, t_lo, p_hi, p_lo = refs[n_before:n_before + 4]
+        return kernel(*refs[:n_before], _PairRef(t_hi, t_lo), _PairRef(p_hi, p_lo), *refs[n_before + 4:], cfg=cfg)
+    return wrapped
+
+
 def _prepare_blocks_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_ref, p_ref, *r_ref, cfg: Config):
     """P, T (and R for the backward) of one chunk, block by block: block (i, j) of P is
 
@@ -652,18 +695,31 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
     Hv, C = cfg.value_heads, cfg.chunk_size
     sp = _chunk_specs(cfg, K, K)
     square = jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)
-    n_out = 3 if with_r else 2
-    return _when_all_bounded(cfg, g, glo, lambda cfg: tuple(_chunk_parallel_call(
-        functools.partial(_prepare_partner_kernel if cfg.prepare == "partner" else _prepare_blocks_kernel, cfg=cfg),
-        grid=(Tp // C, B * Hv),
-        grid_order=cfg.grid_order,
-        in_specs=[sp["key"], sp["key"], sp["channel"], sp["channel"], sp["gate"], sp["seq"]],
-        out_specs=[sp["square"]] * n_out,
-        out_shape=[square] * n_out,
-        compiler_params=_params(cfg.prepare_warps, cfg.stages),
-        interpret=cfg.interpret,
-        name="kda_prepare",
-    )(q, k, g, glo, beta, doc)))
+    pairs = _square_pairs(cfg)
+    if pairs and cfg.prepare != "partner":
+        raise ValueError(f"T and P as bf16 pairs (config.pass_backend='mosaic') need config.prepare='partner', got "
+                         f"{cfg.prepare!r}")
+    # T, P (each as two bf16 arrays when `_square_pairs`), R
+    out_shape = [jax.ShapeDtypeStruct(square.shape, BF16)] * 4 if pairs else [square] * 2
+    out_shape += [square] if with_r else []
+    kernel = _prepare_partner_kernel if cfg.prepare == "partner" else _prepare_blocks_kernel
+    kernel = _with_square_pairs(kernel, 6) if pairs else kernel
+
+    def call(cfg):
+        outs = _chunk_parallel_call(
+            functools.partial(kernel, cfg=cfg),
+            grid=(Tp // C, B * Hv),
+            grid_order=cfg.grid_order,
+            in_specs=[sp["key"], sp["key"], sp["channel"], sp["channel"], sp["gate"], sp["seq"]],
+            out_specs=[sp["square"]] * len(out_shape),
+            out_shape=out_shape,
+            compiler_params=_params(cfg.prepare_warps, cfg.stages),
+            interpret=cfg.interpret,
+            name="kda_prepare",
+        )(q, k, g, glo, beta, doc)
+        return (tuple(outs[:2]), tuple(outs[2:4]), *outs[4:]) if pairs else tuple(outs)
+
+    return _when_all_bounded(cfg, g, glo, call)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -969,8 +1025,28 @@ def _split_forward(cfg, src, v, beta, t, p, h0, *, with_states):
     return o, final, starts, tuple(u_pair)
 
 
+def _check_mosaic_pass(cfg, with_states, knob="pass_backend"):
+    """The knobs the Mosaic passes implement (`Config.pass_backend="mosaic"`, `Config.reverse_backend="mosaic"`)."""
+    wanted = dict(forward="fused", dots="split", operands="stored", state_dots="bf16")
+    if with_states:
+        wanted.update(state_storage="bf16", grads_from_passes=True)
+    if knob == "reverse_backend":
+        wanted.update(pass_backend="mosaic")
+    for name, value in wanted.items():
+        if getattr(cfg, name) != value:
+            raise ValueError(f"config.{knob}='mosaic' needs config.{name}={value!r}, got {getattr(cfg, name)!r}")
+
+
 def _forward_pass(cfg, src, v, beta, t, p, h0, *, with_states):
     """(O, final state), and `with_states` the start states and u's pair (`Config.grads_from_passes`, else ())."""
+    if cfg.pass_backend not in PASS_BACKENDS:
+        raise ValueError(f"config.pass_backend must be one of {PASS_BACKENDS}, got {cfg.pass_backend!r}")
+    if cfg.pass_backend == "mosaic":
+        _check_mosaic_pass(cfg, with_states)
+        return mosaic_kda.forward_pass(src, v, beta, t, p, h0, scale=cfg.scale, output_dots=cfg.output_dots,
+                                       block_v=cfg.mosaic_block_v, shared_head=cfg.mosaic_shared_head,
+                                       with_states=with_states,
+                                       interpret=cfg.interpret)
     if cfg.forward == "split":
         o, final, starts, u_pair = _split_forward(cfg, src, v, beta, t, p, h0, with_states=with_states)
         return (o, final, starts, u_pair) if with_states else (o, final)
@@ -1024,25 +1100,37 @@ def _reverse_kernel(*refs, cfg: Config, nt: int):
 
 
 def _reverse_pass(cfg, src, beta, t, p, do, dfinal):
-    """(dL/d(initial state), the end-state cotangents, dx's pair (`Config.grads_from_passes`, else ()))."""
+    """(dL/d(initial state), the end-state cotangents, dx's pair (`Config.grads_from_passes`, else ())). T and P
+    fp32, or each a (hi, lo) pair of bf16 arrays (`_square_pairs`)."""
+    if cfg.reverse_backend not in PASS_BACKENDS:
+        raise ValueError(f"config.reverse_backend must be one of {PASS_BACKENDS}, got {cfg.reverse_backend!r}")
+    if cfg.reverse_backend == "mosaic":
+        _check_mosaic_pass(cfg, True, knob="reverse_backend")
+        return mosaic_kda.reverse_pass(src, beta, t, p, do, dfinal, scale=cfg.scale, block_v=cfg.mosaic_block_v,
+                                       interpret=cfg.interpret)
+    pairs = isinstance(t, tuple)
+    squares = (*t, *p) if pairs else (t, p)
     B, Tp, Hv, V = do.shape
     K = dfinal.shape[2]
     BV = min(cfg.block_v, V)
     nt = Tp // cfg.chunk_size
     sp = _sequence_specs(cfg, Tp, K, BV)
     dx_shapes = _pair_shapes(cfg, do.shape, True)
+    kernel = functools.partial(_reverse_kernel, nt=nt)
+    if pairs:
+        kernel = _with_square_pairs(kernel, _n_source(cfg, "backward") + 1)
     dh0, dends, *dx_pair = pl.pallas_call(
-        functools.partial(_reverse_kernel, cfg=cfg, nt=nt),
+        functools.partial(kernel, cfg=cfg),
         grid=(V // BV, B * Hv),
-        in_specs=_source_specs(cfg, sp, "backward") + [sp["gate"], sp["square"], sp["square"], sp["value"],
-                                                       sp["state"]],
+        in_specs=_source_specs(cfg, sp, "backward") + [sp["gate"]] + [sp["square"]] * len(squares) + [
+            sp["value"], sp["state"]],
         out_specs=[sp["state"], sp["states"]] + [sp["value"]] * len(dx_shapes),
         out_shape=[jax.ShapeDtypeStruct((B, Hv, K, V), F32),
                    jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))] + dx_shapes,
         compiler_params=_params(cfg.reverse_warps, cfg.pass_stages),
         interpret=cfg.interpret,
         name="kda_reverse",
-    )(*src, beta, t, p, do, dfinal)
+    )(*src, beta, *squares, do, dfinal)
     return dh0, dends, tuple(dx_pair)
 
 
@@ -1593,6 +1681,27 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   operands="stored", pass_stages=pass_stages, block_k=32, pair_block_k=32, reverse_warps=4,
                   cumsum="with_operands", span_limit=SPAN_LIMIT, state_storage="bf16" if bf16 else "fp32",
                   grads_from_passes=dots == "split")
+
+
+# The Mosaic GPU forward pass (`Config.pass_backend="mosaic"`, Hopper) from this many batch x value-head pairs per
+# call: one warpgroup per V block of 64, so 2 CTAs per head; with fewer heads the Triton pass's narrow blocks fill
+# more SMs (1x32768x16x128, H100, 2026-11-28: forward 4.48 ms with the Mosaic pass at BV 32, docs/kernels.md).
+MOSAIC_PASS_MIN_BATCH_HEADS = 64
+
+
+def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
+    """`default_config` with the forward pass in Mosaic GPU where it applies (`mosaic_kda.check_supported`: bf16,
+    K = V = 128, chunk 64) and the call has at least `MOSAIC_PASS_MIN_BATCH_HEADS` value heads; the Triton kernels
+    otherwise. The config of the dispatch's "mosaic" implementation for KDA."""
+    cfg = default_config(q, v, scale=scale, chunk_size=chunk_size, segmented=segmented, interpret=interpret)
+    try:
+        mosaic_kda.check_supported(key_dim=q.shape[3], value_dim=v.shape[3], chunk_size=chunk_size, dtype=q.dtype,
+                                   block_v=cfg.mosaic_block_v, output_dots=cfg.output_dots)
+    except ValueError:
+        return cfg
+    if q.shape[0] * v.shape[2] < MOSAIC_PASS_MIN_BATCH_HEADS:
+        return cfg
+    return dataclasses.replace(cfg, pass_backend="mosaic")
 
 
 def _pow2_at_least_16(n):

@@ -861,11 +861,13 @@ def test_gpu_adversarial_bf16(family):
 
 
 @gpu_only
-def test_gpu_dispatch_picks_pallas_for_kda():
+def test_gpu_dispatch_picks_the_kda_kernels():
+    """"auto" takes the KDA kernels: through "mosaic" (`kda.mosaic_config`) on Hopper, "pallas" elsewhere."""
     x = _round_trip_bf16(_inputs(T=200, B=1, H=2, Hv=4, K=128, V=128))
     call = dispatch.describe_call("delta_rule", x["q"], x["k"], x["v"], x["log_decay"], x["initial_state"],
                                   x["segment_ids"], 64)
-    assert dispatch.select("delta_rule", "auto", call).name == "pallas"
+    expected = "mosaic" if pallas_gpu.hopper_compute_capability() else "pallas"
+    assert dispatch.select("delta_rule", "auto", call).name == expected
     args = (x["q"], x["k"], x["v"], x["beta"], x["log_decay"])
     kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"])
     o, s = deltajax.kda(*args, impl="pallas", **kw)

@@ -381,10 +381,12 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
     many, few = MOSAIC_CALL._replace(batch=32), MOSAIC_CALL._replace(batch=1)
     assert dispatch.select("delta_rule", "auto", many).name == "mosaic"
     assert dispatch.select("delta_rule", "auto", few).name == "mosaic"
-    assert dispatch.select("delta_rule", "auto", many._replace(decay="channel")).name == "pallas"  # KDA
+    # KDA: the "mosaic" implementation runs the KDA kernels with `kda.mosaic_config` (tests/kernels/test_mosaic_kda.py)
+    assert dispatch.select("delta_rule", "auto", many._replace(decay="channel")).name == "mosaic"
     monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: False)
     assert not pallas_gpu.supports_mosaic(MOSAIC_CALL)
     assert dispatch.select("delta_rule", "auto", many).name == "pallas"
+    assert dispatch.select("delta_rule", "auto", many._replace(decay="channel")).name == "pallas"
     with pytest.raises(ValueError, match="impl='mosaic' does not support"):
         dispatch.select("delta_rule", "mosaic", MOSAIC_CALL)
 

@@ -1,0 +1,455 @@
+"""The sequential passes of KDA (per-key-channel decay) as Mosaic GPU kernels: the forward pass (`forward_pass`,
+`kda.Config.pass_backend="mosaic"`) and the reverse pass (`reverse_pass`, `kda.Config.reverse_backend="mosaic"`;
+`_reverse_step` lists its products).
+
+The forward pass replaces `kda._forward_kernel` (the Triton pass) and reads what that pass reads: the chunk operands
+stored by `kda._gates_kernel` (A (.) Q, A (.) K and E (.) K as bf16 parts, gamma), v, beta, and T and P, here as
+bf16 (hi, lo) pairs. Per chunk and state block S (K x BV, fp32 registers), equations (4)-(6) of `kda`:
+
+    y   = V - (A.K) bf16(S)                       1 wgmma  (C x BV x K; plain bf16 state product)
+    u   = T diag(beta) y                          3 wgmmas (C x BV x C; T and diag(beta) y as pairs)
+    O   = scale [(A.Q) S + P u]                   6 wgmmas (the output's state product "split" as the Triton pass's
+                                                            `Config.output_dots`, or 1 wgmma with "bf16"; P u split)
+    S'  = Diag(gamma) S + (E.K)^T u               3 wgmmas (K x BV x C; E.K and u as pairs)
+
+the products the Triton pass takes with the same operand roundings (`kda._pseudo_values`, `_odot`), so the two
+agree to the fp32 summation order. Differentiated, the pass also writes every chunk's start state (bf16(S), the
+tile the first product reads) and u's bf16 pair, as the Triton pass does with `Config.state_storage="bf16"` and
+`Config.grads_from_passes`; the backward's other kernels are Triton's.
+
+Two layouts. `_body`: one warpgroup per CTA, grid (V/BV, B*Hv); CTA (j, bh) owns the state block
+S[:, BV j : BV (j+1)] of value head bh and walks the chunks in order, the inputs streaming through
+`plgpu.emit_pipeline` (TMA). SMEM at BV = 64: one pipeline stage of 5 C x K operand tiles, the T and P pairs, v and
+the vectors (120.8 KiB), S's pair, the operand pairs of diag(beta) y and u and the output tile (72 KiB): 193 KiB,
+so one stage (two would ask 314 KiB). `_body_shared_head`: one CTA per value head, a producer and two consumer
+warpgroups (its docstring). Supported: K = V = 128, C = 64, bf16 inputs (`check_supported`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from deltajax.kernels.gpu import mosaic_common as mc
+from deltajax.kernels.gpu.common import split_bf16_in_xla
+
+F32, BF16 = mc.F32, mc.BF16
+CHUNK = 64
+HEAD_DIM = 128
+BLOCK_VS = (32, 64)
+STAGES = 1  # chunks in flight in the TMA pipeline: two stages do not fit SMEM (module docstring)
+PRODUCER_REGISTERS = 40  # per thread of the shared-head kernel's producer warpgroup; the consumers get 232
+OUTPUT_DOTS = ("split", "bf16")
+
+
+def check_supported(*, key_dim, value_dim, chunk_size, dtype, block_v, output_dots):
+    """Raises ValueError naming what the Mosaic pass does not take."""
+    if key_dim != HEAD_DIM or value_dim != HEAD_DIM:
+        raise ValueError(f"the Mosaic KDA pass takes K = V = {HEAD_DIM}, got K={key_dim}, V={value_dim}")
+    if chunk_size != CHUNK:
+        raise ValueError(f"the Mosaic KDA pass takes chunk_size {CHUNK}, got {chunk_size}")
+    if jnp.dtype(dtype) != BF16:
+        raise ValueError(f"the Mosaic KDA pass takes bfloat16 q/k/v, got {jnp.dtype(dtype).name}")
+    if block_v not in BLOCK_VS:
+        raise ValueError(f"the Mosaic KDA pass takes block_v in {BLOCK_VS}, got {block_v}")
+    if output_dots not in OUTPUT_DOTS:
+        raise ValueError(f"output_dots must be one of {OUTPUT_DOTS}, got {output_dots!r}")
+
+
+def _swizzle(block_v):
+    """wgmma takes A and B with one swizzle: that of the state block's rows (128 bytes at BV = 64, 64 at 32)."""
+    return min(mc.SWIZZLE, block_v * jnp.dtype(BF16).itemsize)
+
+
+def _split_product(acc_ref, pairs):
+    """Issues hi*hi + hi*lo + lo*hi for each ((a_hi, a_lo), (b_hi, b_lo)) in `pairs` (a lo or b lo None: that
+    term is left out) into one accumulator."""
+    for (a_hi, a_lo), (b_hi, b_lo) in pairs:
+        plgpu.wgmma(acc_ref, a_hi, b_hi)
+        if b_lo is not None:
+            plgpu.wgmma(acc_ref, a_hi, b_lo)
+        if a_lo is not None:
+            plgpu.wgmma(acc_ref, a_lo, b_hi)
+
+
+def _input_names(split_output):
+    """The pipeline's inputs in the order the chunk step first reads them, which is the order in which the producer
+    of the shared-head kernel refills them for the next chunk."""
+    qa = ("qa_hi", "qa_lo") if split_output else ("qa_hi",)
+    return ("ak", "v", "beta", "t_hi", "t_lo") + qa + ("p_hi", "p_lo", "ke_hi", "ke_lo", "gamma")
+
+
+def _no_barrier(*names):
+    del names
+
+
+def _chunk_step(tiles, x, s, out_tiles, *, scale, split_output, block_v, ready=_no_barrier, done=_no_barrier):
+    """One chunk for the state block s (K x BV fp32, WGMMA layout): writes O's tile (and, differentiated, the start
+    state and u's pair) and returns the next state. x: the chunk's SMEM inputs by name (`_input_names`).
+    `ready(*names)` waits until those inputs have arrived and `done(*names)` releases them to the producer (the
+    shared-head kernel; no-ops under `emit_pipeline`, which does both per chunk). tiles: S's pair (s_lo None with
+    plain bf16 output products), the operand pair x, then the pair of u and the output tile, or None for both: u
+    then goes through x once T diag(beta) y has completed, and O through x's hi tile once u's products have."""
+    C, K, BV = CHUNK, HEAD_DIM, block_v
+    s_hi, s_lo, x_hi, x_lo, u_hi, u_lo, o_smem = tiles
+    one_pair = u_hi is None
+    if one_pair:
+        u_hi, u_lo, o_smem = x_hi, x_lo, x_hi
+    o_tile, *saved = out_tiles
+    if one_pair:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's copies out of s_hi and x have read
+    if split_output:
+        mc.store_split(s, s_hi, s_lo)
+    else:
+        mc.store_bf16(s, s_hi)
+    plgpu.commit_smem()  # generic-proxy stores, visible to the wgmmas (async proxy)
+    if saved:
+        # bf16(S) is what (A.K) S reads. The copy has read s_hi before the next chunk writes it: the wait before
+        # the output tile (or at the top of the next chunk) waits for every earlier copy.
+        plgpu.copy_smem_to_gmem(s_hi, saved[0])
+
+    def key_state(acc_ref):
+        plgpu.wgmma(acc_ref, x["ak"], s_hi)
+        return acc_ref[...]
+
+    ready("ak")
+    ks = pl.run_scoped(key_state, mc.acc(C, BV))
+    done("ak")
+    ready("v", "beta")
+    y = mc.wgmma_layout(plgpu.load(x["v"], layout=plgpu.Layout.WGMMA).astype(F32) - ks)  # (4)
+    mc.store_split(mc.rows(x["beta"], BV) * y, x_hi, x_lo)
+    done("v", "beta")
+    plgpu.commit_smem()
+
+    def pseudo_values(acc_ref):
+        _split_product(acc_ref, [((x["t_hi"], x["t_lo"]), (x_hi, x_lo))])
+        return acc_ref[...]
+
+    ready("t_hi", "t_lo")
+    u = pl.run_scoped(pseudo_values, mc.acc(C, BV))
+    done("t_hi", "t_lo")
+    mc.store_split(u, u_hi, u_lo)
+    plgpu.commit_smem()
+    if saved:
+        plgpu.copy_smem_to_gmem(u_hi, saved[1])
+        plgpu.copy_smem_to_gmem(u_lo, saved[2])
+
+    qa = (x["qa_hi"], x["qa_lo"] if split_output else None)
+    transposed = lambda ref: ref.transpose((1, 0))
+
+    def output_and_update(o_ref, update_ref):  # (5), scale-free, and (6)
+        _split_product(o_ref, [(qa, (s_hi, s_lo)), ((x["p_hi"], x["p_lo"]), (u_hi, u_lo))])
+        _split_product(update_ref, [((transposed(x["ke_hi"]), transposed(x["ke_lo"])), (u_hi, u_lo))])
+        return o_ref[...], update_ref[...]
+
+    late = [name for name in _input_names(split_output) if name.startswith(("qa", "p_", "ke"))]
+    ready(*late)
+    o, update = pl.run_scoped(output_and_update, mc.acc(C, BV), mc.acc(K, BV))
+    done(*late)
+    ready("gamma")
+    s_next = mc.wgmma_layout(mc.rows(x["gamma"], BV) * s + update)
+    done("gamma")
+    # The previous chunk's output (one tile per CTA), or this chunk's u copies (one pair), have left the tile.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    o_smem[...] = mc.wgmma_layout((scale * o).astype(o_smem.dtype))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_tile)
+    return s_next
+
+
+def _in_specs(names, block_v, swizzle, nt=None):
+    """The pipeline's BlockSpecs for `names`; with `nt` (the reverse pass) step n reads chunk nt - 1 - n."""
+    C, K = CHUNK, HEAD_DIM
+    chunk = (lambda n: n) if nt is None else (lambda n: nt - 1 - n)
+    tiled = lambda shape: mc.tiled_spec(shape, lambda n: (chunk(n), 0), swizzle)
+    vector = lambda n: plgpu.BlockSpec(block_shape=(n,), index_map=lambda i: (chunk(i),))
+    shapes = dict(v=(C, block_v), do=(C, block_v), t_hi=(C, C), t_lo=(C, C), p_hi=(C, C), p_lo=(C, C))
+    return [vector(C) if name == "beta" else vector(K) if name == "gamma" else tiled(shapes.get(name, (C, K)))
+            for name in names]
+
+
+def _split_refs(refs, n_operands, with_states):
+    """(the GMEM inputs by name but for v's columns: a function of them, h0, the outputs, the scratch)."""
+    operands = refs[:n_operands]
+    v_ref, t_hi, t_lo, p_hi, p_lo, beta_ref, gamma_ref, h0_ref = refs[n_operands:n_operands + 8]
+    n_out = 5 if with_states else 2
+    outputs = refs[n_operands + 8:n_operands + 8 + n_out]
+    names = ("qa_hi", "qa_lo", "ak", "ke_hi", "ke_lo") if n_operands == 5 else ("qa_hi", "ak", "ke_hi", "ke_lo")
+
+    def gmem(b, h, bh, cols):
+        refs = {name: ref.at[b, :, h, :] for name, ref in zip(names, operands)}
+        refs.update(v=v_ref.at[b, :, h, cols], beta=beta_ref.at[bh], gamma=gamma_ref.at[bh])
+        halves = dict(t_hi=t_hi, t_lo=t_lo, p_hi=p_hi, p_lo=p_lo)
+        refs.update({name: ref.at[b, :, h, :] for name, ref in halves.items()})
+        return refs
+
+    return gmem, h0_ref, outputs, refs[n_operands + 8 + n_out:]
+
+
+def _out_tiles(outputs, b, h, i, cols):
+    """Chunk i's GMEM tiles of O and (differentiated) of the start state and u's halves."""
+    C, K = CHUNK, HEAD_DIM
+    _, o_ref, *saved_refs = outputs
+    tiles = [o_ref.at[b, pl.ds(i * C, C), h, cols]]
+    if saved_refs:
+        tiles += [saved_refs[0].at[b, h, pl.ds(i * K, K), cols],
+                  *(ref.at[b, pl.ds(i * C, C), h, cols] for ref in saved_refs[1:])]
+    return tiles
+
+
+def _body(*refs, n_operands, with_states, nt, num_heads, scale, split_output, block_v):
+    """One warpgroup, CTA (j, bh): value head bh = b * Hv + h, state columns [BV j, BV (j + 1)). refs: the stored
+    operand tiles (B, Tp, Hv, K) each, v (B, Tp, Hv, V), T's and P's bf16 halves (B, Tp, Hv, C) each (T hi, T lo,
+    P hi, P lo), beta (B*Hv, Tp), gamma (B*Hv, nt*K), the initial state (B, Hv, K, V); then the final state, O and
+    (`with_states`) the start states and u's halves; then the scratch (`_scratch`)."""
+    gmem, h0_ref, outputs, scratch = _split_refs(refs, n_operands, with_states)
+    s_hi, s_lo, x_pair, u_pair, o_smem = scratch
+    tiles = (s_hi, s_lo if split_output else None, x_pair.at[0], x_pair.at[1], u_pair.at[0], u_pair.at[1], o_smem)
+    names = _input_names(split_output)
+    j = lax.axis_index("v_block")
+    bh = lax.axis_index("head")
+    b, h = bh // num_heads, bh % num_heads
+    cols = pl.ds(j * block_v, block_v)
+
+    def chunk(indices, *chunk_inputs):
+        (i,) = indices
+        *chunk_inputs, s = chunk_inputs
+        return _chunk_step(tiles, dict(zip(names, chunk_inputs)), s, _out_tiles(outputs, b, h, i, cols),
+                           scale=scale, split_output=split_output, block_v=block_v)
+
+    # The state block goes between GMEM and registers directly (once per CTA).
+    s0 = plgpu.load(h0_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(names, block_v, _swizzle(block_v)),
+                                   max_concurrent_steps=STAGES, init_carry=s0)
+    refs_by_name = gmem(b, h, bh, cols)
+    outputs[0].at[b, h, :, cols][...] = pipeline(*(refs_by_name[name] for name in names))
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _body_shared_head(*refs, n_operands, with_states, nt, num_heads, scale, split_output, block_v):
+    """One CTA per value head: a producer warpgroup streams the chunk inputs by TMA (once for the head, where
+    `_body`'s two CTAs per head read the key-side operands twice) and two consumer warpgroups each carry the state
+    block of one V half. One pipeline stage (SMEM), but each input is released as soon as the step has read it
+    (`manual_consumed_barriers`, inputs in the order of first use), so the next chunk's first operands load while
+    this chunk's last products run. Each consumer has S's pair and one operand pair (`_chunk_step`'s one-pair
+    mode)."""
+    gmem, h0_ref, outputs, scratch = _split_refs(refs, n_operands, with_states)
+    wg = lax.axis_index("wg")
+    s_hi, s_lo, x_pair = (ref.at[wg] for ref in scratch)
+    tiles = (s_hi, s_lo if split_output else None, x_pair.at[0], x_pair.at[1], None, None, None)
+    names = _input_names(split_output)
+    bh = lax.axis_index("head")
+    b, h = bh // num_heads, bh % num_heads
+    cols = pl.ds(wg * block_v, block_v)
+    n = len(names)
+
+    def chunk(indices, *args):
+        (i,) = indices
+        chunk_inputs, produced, consumed, s = args[:n], args[n:2 * n], args[2 * n:3 * n], args[3 * n]
+        x = dict(zip(names, chunk_inputs))
+        x["v"] = x["v"].at[:, cols]  # this warpgroup's half of v
+        produced, consumed = dict(zip(names, produced)), dict(zip(names, consumed))
+        ready = lambda *which: [plgpu.barrier_wait(produced[name]) for name in which]
+        done = lambda *which: [plgpu.barrier_arrive(consumed[name]) for name in which]
+        return _chunk_step(tiles, x, s, _out_tiles(outputs, b, h, i, cols), scale=scale, split_output=split_output,
+                           block_v=block_v, ready=ready, done=done)
+
+    def consumer(run_pipeline):
+        s0 = plgpu.load(h0_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+        outputs[0].at[b, h, :, cols][...] = run_pipeline(s0)
+        plgpu.wait_smem_to_gmem(0)
+
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        chunk, grid=(nt,), in_specs=_in_specs(names, HEAD_DIM, _swizzle(block_v)), max_concurrent_steps=STAGES,
+        memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=2, compute_context=consumer,
+        manual_produced_barriers=True, manual_consumed_barriers=True)
+    refs_by_name = gmem(b, h, bh, slice(None))
+    pipeline(*(refs_by_name[name] for name in names))
+
+
+def _scratch(block_v, shared_head, dtype):
+    """`_body`: S's pair, the operand pairs of diag(beta) y and of u, the output tile; `_body_shared_head`: S's pair
+    and one operand pair per consumer. (S's lo tile goes unused with plain bf16 output products.)"""
+    swizzle = _swizzle(block_v)
+    lead = (2,) if shared_head else ()
+    state = mc.tiled(lead + (HEAD_DIM, block_v), swizzle)
+    pair = mc.tiled(lead + (2, CHUNK, block_v), swizzle)
+    if shared_head:
+        return (state, state, pair)
+    return (state, state, pair, pair, plgpu.SMEM((CHUNK, block_v), dtype))
+
+
+# The reverse pass's inputs (the backward's stored operands with plain bf16 state products: A (.) Q hi, A (.) K as
+# its pair, E (.) K hi; `kda._operand_parts`).
+REVERSE_OPERANDS = ("qa_hi", "ak_hi", "ak_lo", "ke_hi")
+REVERSE_INPUTS = REVERSE_OPERANDS + ("do", "t_hi", "t_lo", "p_hi", "p_lo", "beta", "gamma")
+
+
+def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v):
+    """`kda._reverse_kernel` for one chunk and the block ds (K x BV fp32) of the cotangent of its end state; returns
+    that of its start state, writing the end-state cotangent (bf16) and dx = dL/d(beta y) as its bf16 pair:
+
+        du  = scale P^T dO + (E.K) bf16(dS)            2 + 1 wgmmas (P^T as its pair; a plain bf16 state product)
+        dx  = T^T du                                   3 wgmmas
+        dS' = gamma dS + scale [(A.Q)^T dO + (A.K)^T (-beta dx / scale)]    1 + 3 wgmmas (one K x BV accumulator)
+
+    the products of the Triton pass with its operand roundings; the second term's operand is split after dividing
+    by the scale, so that one accumulator holds the sum (as `mosaic_wy._reverse_step`)."""
+    C, K, BV = CHUNK, HEAD_DIM, block_v
+    s_hi, x_hi, x_lo, dx_hi, dx_lo = tiles
+    dend_tile, dx_hi_tile, dx_lo_tile = out_tiles
+    transposed = lambda ref: ref.transpose((1, 0))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's copies have read dS's and dx's tiles
+    mc.store_bf16(ds, s_hi)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(s_hi, dend_tile)
+
+    def cotangent_of_u(pdo_ref, kd_ref):
+        _split_product(pdo_ref, [((transposed(x["p_hi"]), transposed(x["p_lo"])), (x["do"], None))])
+        plgpu.wgmma(kd_ref, x["ke_hi"], s_hi)
+        return pdo_ref[...], kd_ref[...]
+
+    pdo, kd = pl.run_scoped(cotangent_of_u, mc.acc(C, BV), mc.acc(C, BV))
+    mc.store_split(scale * pdo + kd, x_hi, x_lo)  # du
+    plgpu.commit_smem()
+
+    def cotangent_of_beta_y(acc_ref):
+        _split_product(acc_ref, [((transposed(x["t_hi"]), transposed(x["t_lo"])), (x_hi, x_lo))])
+        return acc_ref[...]
+
+    dx = pl.run_scoped(cotangent_of_beta_y, mc.acc(C, BV))
+    mc.store_split(dx, dx_hi, dx_lo)
+    mc.store_split((-1.0 / scale) * mc.rows(x["beta"], BV) * dx, x_hi, x_lo)  # x is free: T^T du has completed
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dx_hi, dx_hi_tile)
+    plgpu.copy_smem_to_gmem(dx_lo, dx_lo_tile)
+
+    def start_cotangent(acc_ref):
+        plgpu.wgmma(acc_ref, transposed(x["qa_hi"]), x["do"])
+        _split_product(acc_ref, [((transposed(x["ak_hi"]), transposed(x["ak_lo"])), (x_hi, x_lo))])
+        return acc_ref[...]
+
+    update = pl.run_scoped(start_cotangent, mc.acc(K, BV))
+    return mc.wgmma_layout(mc.rows(x["gamma"], BV) * ds + scale * update)
+
+
+def _reverse_body(*refs, nt, num_heads, scale, block_v):
+    """One warpgroup, CTA (j, bh), walking the chunks last to first. refs: the stored operands (`REVERSE_OPERANDS`,
+    (B, Tp, Hv, K) each), dO (B, Tp, Hv, V), T's and P's bf16 halves (B, Tp, Hv, C) each, beta (B*Hv, Tp), gamma
+    (B*Hv, nt*K), the final state's cotangent (B, Hv, K, V); then dL/d(initial state), the end-state cotangents and
+    dx's halves; then the scratch: dS's bf16 tile, the operand pair of du (then of -beta dx / scale) and dx's
+    pair."""
+    n_in = len(REVERSE_OPERANDS)
+    operands = refs[:n_in]
+    do_ref, t_hi, t_lo, p_hi, p_lo, beta_ref, gamma_ref, dfinal_ref = refs[n_in:n_in + 8]
+    dh0_ref, dends_ref, dx_hi_ref, dx_lo_ref = refs[n_in + 8:n_in + 12]
+    s_hi, x_pair, dx_pair = refs[n_in + 12:]
+    tiles = (s_hi, x_pair.at[0], x_pair.at[1], dx_pair.at[0], dx_pair.at[1])
+    C, K = CHUNK, HEAD_DIM
+    j = lax.axis_index("v_block")
+    bh = lax.axis_index("head")
+    b, h = bh // num_heads, bh % num_heads
+    cols = pl.ds(j * block_v, block_v)
+    gmem = {name: ref.at[b, :, h, :] for name, ref in zip(REVERSE_OPERANDS, operands)}
+    gmem.update(do=do_ref.at[b, :, h, cols], t_hi=t_hi.at[b, :, h, :], t_lo=t_lo.at[b, :, h, :],
+                p_hi=p_hi.at[b, :, h, :], p_lo=p_lo.at[b, :, h, :], beta=beta_ref.at[bh], gamma=gamma_ref.at[bh])
+
+    def chunk(indices, *chunk_inputs):
+        (n,) = indices
+        *chunk_inputs, ds = chunk_inputs
+        i = nt - 1 - n
+        out_tiles = (dends_ref.at[b, h, pl.ds(i * K, K), cols], dx_hi_ref.at[b, pl.ds(i * C, C), h, cols],
+                     dx_lo_ref.at[b, pl.ds(i * C, C), h, cols])
+        return _reverse_step(tiles, dict(zip(REVERSE_INPUTS, chunk_inputs)), ds, out_tiles, scale=scale,
+                             block_v=block_v)
+
+    ds0 = plgpu.load(dfinal_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(REVERSE_INPUTS, block_v, _swizzle(block_v),
+                                                                         nt=nt),
+                                   max_concurrent_steps=STAGES, init_carry=ds0)
+    dh0_ref.at[b, h, :, cols][...] = pipeline(*(gmem[name] for name in REVERSE_INPUTS))
+    plgpu.wait_smem_to_gmem(0)
+
+
+def reverse_pass(operands, beta, t, p, do, dfinal, *, scale, block_v=64, interpret=False):
+    """`kda._reverse_pass` in Mosaic GPU: (dL/d(initial state) (B, Hv, K, V) fp32, every chunk's end-state cotangent
+    (bf16, (B, Hv, nt*K, V)), dx's bf16 (hi, lo) halves ((B, Tp, Hv, V) each)). operands: the backward's stored
+    operands for bf16 inputs with plain bf16 state products (`REVERSE_OPERANDS`, then gamma (B, Hv, nt*K)); T and P
+    as bf16 (hi, lo) pairs (or fp32, split here); dO (B, Tp, Hv, V) bf16; dfinal (B, Hv, K, V) fp32."""
+    *tiles, gamma = operands
+    B, Tp, Hv, V = do.shape
+    K = tiles[0].shape[-1]
+    check_supported(key_dim=K, value_dim=V, chunk_size=CHUNK, dtype=do.dtype, block_v=block_v, output_dots="bf16")
+    if len(tiles) != len(REVERSE_OPERANDS):
+        raise ValueError(f"the reverse pass reads {len(REVERSE_OPERANDS)} operand tiles {REVERSE_OPERANDS} (plain "
+                         f"bf16 state products), got {len(tiles)}")
+    nt = Tp // CHUNK
+    as_pair = lambda x: tuple(x) if isinstance(x, (tuple, list)) else split_bf16_in_xla(x)
+    heads_major = lambda x: jnp.moveaxis(x, 2, 1).reshape(B * Hv, Tp)
+    out_type = (jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), BF16),
+                *(jax.ShapeDtypeStruct((B, Tp, Hv, V), BF16),) * 2)
+    swizzle = _swizzle(block_v)
+    scratch = (mc.tiled((K, block_v), swizzle), mc.tiled((2, CHUNK, block_v), swizzle),
+               mc.tiled((2, CHUNK, block_v), swizzle))
+    kernel = plgpu.kernel(
+        functools.partial(_reverse_body, nt=nt, num_heads=Hv, scale=float(scale), block_v=block_v),
+        out_type=out_type, scratch_types=scratch, grid=(V // block_v, B * Hv), grid_names=("v_block", "head"),
+        compiler_params=plgpu.CompilerParams(), interpret=plgpu.InterpretGPUParams() if interpret else False,
+        kernel_name="kda_reverse_mosaic")
+    dh0, dends, dx_hi, dx_lo = kernel(*tiles, do, *as_pair(t), *as_pair(p), heads_major(beta.astype(F32)),
+                                      gamma.reshape(B * Hv, nt * K), dfinal)
+    return dh0, dends, (dx_hi, dx_lo)
+
+
+def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", block_v=64, shared_head=False,
+                 with_states=False, interpret=False):
+    """(O, final state), and `with_states` every chunk's start state (bf16, (B, Hv, nt*K, V)) and u's bf16 (hi, lo)
+    halves ((B, Tp, Hv, V) each), as `kda._forward_pass` returns them with stored operands.
+
+    operands: the forward's stored operands of `kda._gates_and_operands` for bf16 inputs: A (.) Q as (hi, lo)
+    (`output_dots` "split") or hi alone ("bf16"), A (.) K hi, E (.) K (hi, lo), each (B, Tp, Hv, K) bf16, then gamma
+    (B, Hv, nt*K) fp32. v (B, Tp, Hv, V) bf16; beta (B, Tp, Hv) fp32; T and P (B, Tp, Hv, C) each as its bf16
+    (hi, lo) pair, as `kda._prepare` writes them for this pass (or fp32, split here); h0 (B, Hv, K, V) fp32. Tp a
+    multiple of 64. `shared_head`: one CTA per value head (`_body_shared_head`, V blocks of 64), else one warpgroup
+    per V block of `block_v` (`_body`)."""
+    *tiles, gamma = operands
+    B, Tp, Hv, V = v.shape
+    K = tiles[0].shape[-1]
+    check_supported(key_dim=K, value_dim=V, chunk_size=CHUNK, dtype=v.dtype, block_v=block_v,
+                    output_dots=output_dots)
+    if shared_head and block_v != HEAD_DIM // 2:
+        raise ValueError(f"shared_head gives each consumer half of V: block_v must be {HEAD_DIM // 2}, got {block_v}")
+    split_output = output_dots == "split"
+    if len(tiles) != 4 + split_output:
+        raise ValueError(f"output_dots={output_dots!r} reads {4 + split_output} operand tiles, got {len(tiles)}")
+    nt = Tp // CHUNK
+    as_pair = lambda x: tuple(x) if isinstance(x, (tuple, list)) else split_bf16_in_xla(x)
+    heads_major = lambda x: jnp.moveaxis(x, 2, 1).reshape(B * Hv, Tp)
+    out_type = (jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype))
+    if with_states:
+        out_type += (jax.ShapeDtypeStruct((B, Hv, nt * K, V), BF16),)
+        out_type += (jax.ShapeDtypeStruct((B, Tp, Hv, V), BF16),) * 2
+    body = dict(n_operands=len(tiles), with_states=with_states, nt=nt, num_heads=Hv, scale=float(scale),
+                split_output=split_output, block_v=block_v)
+    common = dict(out_type=out_type, scratch_types=_scratch(block_v, shared_head, v.dtype),
+                  interpret=plgpu.InterpretGPUParams() if interpret else False)
+    if shared_head:
+        kernel = plgpu.kernel(
+            functools.partial(_body_shared_head, **body), grid=(B * Hv,), grid_names=("head",), num_threads=3,
+            thread_name="wg", kernel_name="kda_forward_mosaic_shared_head",
+            # No reduction in the kernel crosses warps: the 2 KiB Mosaic GPU reserves for them would not fit.
+            compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0), **common)
+    else:
+        kernel = plgpu.kernel(
+            functools.partial(_body, **body), grid=(V // block_v, B * Hv), grid_names=("v_block", "head"),
+            kernel_name="kda_forward_mosaic", compiler_params=plgpu.CompilerParams(), **common)
+    final, o, *saved = kernel(*tiles, v, *as_pair(t), *as_pair(p), heads_major(beta.astype(F32)),
+                              gamma.reshape(B * Hv, nt * K), h0)
+    if with_states:
+        return o, final, saved[0], (saved[1], saved[2])
+    return o, final

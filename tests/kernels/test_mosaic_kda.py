@@ -1,0 +1,357 @@
+"""The Mosaic GPU passes of KDA (`kernels/gpu/mosaic_kda.py`): the forward pass (`kda.Config.pass_backend`) and the
+reverse pass (`kda.Config.reverse_backend`).
+
+On CPU: the passes in the Mosaic GPU interpreter against the fp32 scan (the bf16 bounds) and against the Triton
+passes on the same stored operands (the same products, so equal up to fp32 summation order and the bf16 rounding
+flips that moves: `test_gpu_kda._assert_equal_up_to_16_bit_rounding`), on random, packed and adversarial inputs,
+with and without an initial state, at T not a multiple of 64, both layouts and state-block widths and both output
+products; the forward's saved start states and u pair against the Triton pass's; T and P as the bf16 pairs prepare
+writes for them; the gradients against the scan; the refusals; the dispatch; the whole call and its gradient
+lowered for an abstract H100. On a GPU: the compiled passes against the scan, with gradients.
+"""
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from deltajax.kernels import gpu as pallas_gpu
+from deltajax.kernels.gpu import kda, mosaic_kda
+from deltajax.kernels.gpu.common import split_bf16_in_xla
+from deltajax.rules import dispatch
+from test_gpu_kda import (ADVERSARIAL, BF16_OUT_TOL, H100, ON_GPU, _adversarial, _assert_equal_up_to_16_bit_rounding,
+                          _bf16_grad_tol, _call, _check, _grads, _inputs, _round_trip_bf16)
+from testing_utils import relative_error
+
+warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
+
+D = mosaic_kda.HEAD_DIM
+
+
+def _config(x, **overrides):
+    cfg = kda.default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64,
+                             segmented=x["segment_ids"] is not None, interpret=not ON_GPU)
+    return dataclasses.replace(cfg, **overrides)
+
+
+def _fn(cfg):
+    return lambda *a, **kw: kda.kda_chunk(*a, **kw, config=cfg)
+
+
+def _bf16_case(x):
+    x = _round_trip_bf16(x)
+    x["scale"] = D ** -0.5
+    return x
+
+
+# The kernel variants: one warpgroup per V block of 64 or 32 columns, or one CTA per head (two consumers and a
+# producer), with the output's state product "split" (the default) or plain bf16.
+VARIANTS = {
+    "bv64": dict(mosaic_block_v=64),
+    "bv32": dict(mosaic_block_v=32),
+    "shared_head": dict(mosaic_shared_head=True),
+    "bv64_output_bf16": dict(mosaic_block_v=64, output_dots="bf16"),
+    "shared_head_output_bf16": dict(mosaic_shared_head=True, output_dots="bf16"),
+}
+
+
+def _against_triton(x, label, per_element=True, **overrides):
+    """The Mosaic pass against the fp32 scan (bf16 bounds, no gradients) and against the Triton pass on the same
+    call (`overrides` on both)."""
+    mosaic = _config(x, pass_backend="mosaic", **overrides)
+    _check(x, BF16_OUT_TOL, None, fn=_fn(mosaic), label=label)
+    triton = dataclasses.replace(mosaic, pass_backend="triton")
+    _assert_equal_up_to_16_bit_rounding(_call(_fn(mosaic), x), _call(_fn(triton), x), per_element=per_element)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matches_scan_and_the_triton_pass_in_interpreter(variant):
+    """T = 130 (a partial last chunk), packed documents, an initial state, beta up to 2, two value heads per key
+    head."""
+    x = _bf16_case(_inputs(T=130, B=1, H=1, Hv=2, K=D, V=D))
+    _against_triton(x, f"mosaic-{variant}", **VARIANTS[variant])
+
+
+@pytest.mark.parametrize("family", ADVERSARIAL)
+@pytest.mark.parametrize("variant", ["bv64", "shared_head"])
+def test_adversarial_in_interpreter(family, variant):
+    """-20 decays everywhere, -20 beside ~0 in one chunk, correlated keys with beta near 2. Against the Triton
+    pass the outputs are held to 5e-4 relative rather than one ulp per element: where o cancels (correlated keys),
+    a flipped bf16 operand rounding moves an element by more than its own ulp (seen on the H100 in 230 and 1745
+    of 256,000 elements at 5e-5 and 1.8e-4 relative)."""
+    x = _bf16_case(_adversarial(family, B=1, T=100, H=1, Hv=1, K=D, V=D))
+    _against_triton(x, f"mosaic-{variant}-{family}", per_element=False, **VARIANTS[variant])
+
+
+def _pass_outputs(cfg, x):
+    """The forward pass's (o, final state, start states, u's pair) on x, from the stored operands."""
+    B, T = x["beta"].shape[:2]
+    C = cfg.chunk_size
+    pad = -T % C
+    padded = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+    ones = jnp.ones((B, T + pad), jnp.float32)
+    q, k, v = (padded(x[n]) for n in ("q", "k", "v"))
+    beta, log_decay = padded(x["beta"]), padded(x["log_decay"])
+    doc = jnp.zeros((B, T + pad), jnp.int32)
+
+    def run(q, k, v, beta, log_decay, h0):
+        g, glo, src = kda._gates_and_operands(cfg, q, k, log_decay, ones, ones)
+        t, p = kda._prepare(cfg, q, k, g, glo, beta, doc)
+        return kda._forward_pass(cfg, src, v, beta, t, p, h0, with_states=True)
+
+    return jax.jit(run)(q, k, v, beta, log_decay, x["initial_state"])
+
+
+@pytest.mark.parametrize("variant", ["bv64", "shared_head"])
+def test_saved_states_and_u_equal_the_triton_pass_in_interpreter(variant):
+    """Differentiated, the pass writes every chunk's start state as bf16 and u as its bf16 pair, what the Triton
+    pass writes with bf16 storage and `grads_from_passes`: o, the final and the start states equal up to the bf16
+    rounding flips, u (hi + lo; the lo halves alone differ where u differs in its last fp32 bits) to 1e-5, which u's
+    hi half alone misses."""
+    x = _bf16_case(_inputs(T=200, B=1, H=1, Hv=1, K=D, V=D, packed=False))
+    mosaic = _config(x, pass_backend="mosaic", **VARIANTS[variant])
+    triton = dataclasses.replace(mosaic, pass_backend="triton")
+    (o, final, starts, u), (o_t, final_t, starts_t, u_t) = _pass_outputs(mosaic, x), _pass_outputs(triton, x)
+    assert starts.dtype == u[0].dtype == u[1].dtype == jnp.bfloat16
+    _assert_equal_up_to_16_bit_rounding((o, final, starts), (o_t, final_t, starts_t))
+    u_sum, u_sum_t = (pair[0].astype(jnp.float32) + pair[1].astype(jnp.float32) for pair in (u, u_t))
+    assert relative_error(u_sum, u_sum_t) <= 1e-5
+    assert relative_error(u[0].astype(jnp.float32), u_sum_t) > 1e-5
+
+
+@pytest.mark.parametrize("variant", ["bv64", "shared_head"])
+def test_gradients_match_scan_in_interpreter(variant):
+    """The Triton backward on the Mosaic pass's residuals: every gradient at the bf16 bounds against the scan, and
+    equal to the gradients through the Triton pass up to the 16-bit rounding flips."""
+    x = _bf16_case(_inputs(T=130, B=1, H=1, Hv=2, K=D, V=D))
+    mosaic = _config(x, pass_backend="mosaic", **VARIANTS[variant])
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label="mosaic-grads")
+    triton = dataclasses.replace(mosaic, pass_backend="triton")
+    _assert_equal_up_to_16_bit_rounding(_grads(_fn(mosaic), x), _grads(_fn(triton), x), per_element=False)
+
+
+def _prepare_and_reverse(cfg, x):
+    """(T, P, and the reverse pass's outputs on T and P) for one padded call without documents (dO = v)."""
+    B, T = x["beta"].shape[:2]
+    ones = jnp.ones((B, T), jnp.float32)
+    doc = jnp.zeros((B, T), jnp.int32)
+
+    def run(q, k, v, beta, log_decay, dfinal):
+        g, glo, _ = kda._gates_and_operands(cfg, q, k, log_decay, ones, ones)
+        t, p = kda._prepare(cfg, q, k, g, glo, beta, doc)
+        src = kda._source(cfg, q, k, g, glo, ones, ones, "backward")
+        return t, p, kda._reverse_pass(cfg, src, beta, t, p, v, dfinal)
+
+    return jax.jit(run)(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], x["initial_state"])
+
+
+def test_prepare_writes_t_and_p_as_pairs_the_reverse_pass_reads():
+    """With the Mosaic pass, prepare writes T and P as bf16 (hi, lo) pairs, bit for bit the split of the fp32 T and
+    P it writes otherwise, and the Triton reverse pass reads the pairs: the same products ("split" takes back hi
+    and lo from hi + lo, but for the rare hi + lo that rounds to hi's neighbour: then another exact pair of the same
+    sum), so the same outputs to fp32 rounding: d(initial state) to 1e-6, the bf16 end-state cotangents up to
+    rounding flips, dx (hi + lo; its lo half alone differs where dx differs in its last fp32 bits) to 1e-6."""
+    x = _bf16_case(_inputs(T=128, B=1, H=1, Hv=1, K=D, V=D, packed=False))
+    mosaic = _config(x, pass_backend="mosaic")
+    t_pair, p_pair, reverse_pairs = _prepare_and_reverse(mosaic, x)
+    t, p, reverse = _prepare_and_reverse(dataclasses.replace(mosaic, pass_backend="triton"), x)
+    assert t.dtype == jnp.float32 and t_pair[0].dtype == t_pair[1].dtype == jnp.bfloat16
+    for pair, fp32 in ((t_pair, t), (p_pair, p)):
+        for half, expected in zip(pair, split_bf16_in_xla(fp32)):
+            assert jnp.array_equal(half, expected)
+    (dh0, dends, dx), (dh0_t, dends_t, dx_t) = reverse_pairs, reverse
+    assert relative_error(dh0, dh0_t) <= 1e-6
+    _assert_equal_up_to_16_bit_rounding(dends, dends_t)
+    assert relative_error(*(pair[0].astype(jnp.float32) + pair[1].astype(jnp.float32) for pair in (dx, dx_t))) <= 1e-6
+
+
+@pytest.mark.parametrize("variant", ["bv64", "bv32"])
+def test_reverse_pass_equals_the_triton_one_in_interpreter(variant):
+    """`Config.reverse_backend="mosaic"`: the reverse pass in Mosaic GPU on the same T and P pairs and stored
+    operands as the Triton reverse pass: d(initial state) and dx (hi + lo) to 1e-5, the bf16 end-state cotangents up
+    to rounding flips (T = 192: `_prepare_and_reverse` takes whole chunks)."""
+    x = _bf16_case(_inputs(T=192, B=1, H=1, Hv=1, K=D, V=D, packed=False))
+    mosaic = _config(x, pass_backend="mosaic", reverse_backend="mosaic", **VARIANTS[variant])
+    _, _, (dh0, dends, dx) = _prepare_and_reverse(mosaic, x)
+    _, _, (dh0_t, dends_t, dx_t) = _prepare_and_reverse(dataclasses.replace(mosaic, reverse_backend="triton"), x)
+    assert dends.dtype == dx[0].dtype == jnp.bfloat16
+    assert relative_error(dh0, dh0_t) <= 1e-5
+    _assert_equal_up_to_16_bit_rounding(dends, dends_t)
+    assert relative_error(*(pair[0].astype(jnp.float32) + pair[1].astype(jnp.float32) for pair in (dx, dx_t))) <= 1e-5
+
+
+@pytest.mark.parametrize("family", [None, *ADVERSARIAL])
+def test_gradients_through_the_mosaic_reverse_pass_in_interpreter(family):
+    """Both Mosaic passes: every gradient at the bf16 bounds against the scan, and equal to the gradients through
+    the Triton reverse pass up to the 16-bit rounding flips, on random and adversarial inputs."""
+    shape = dict(B=1, T=130, H=1, Hv=2, K=D, V=D)
+    x = _bf16_case(_inputs(**shape) if family is None else _adversarial(family, **shape))
+    mosaic = _config(x, pass_backend="mosaic", reverse_backend="mosaic")
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"mosaic-reverse-{family}")
+    triton = dataclasses.replace(mosaic, reverse_backend="triton")
+    _assert_equal_up_to_16_bit_rounding(_grads(_fn(mosaic), x), _grads(_fn(triton), x), per_element=False)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(pass_backend="triton", reverse_backend="mosaic"), "pass_backend"),
+    (dict(reverse_backend="cuda"), "reverse_backend"),
+    (dict(state_dots="split", state_storage="fp32"), "state_dots"),
+    (dict(operands="inline", cumsum="kernel"), "operands"),
+    (dict(forward="split"), "forward"),
+    (dict(mosaic_block_v=16), "block_v"),
+    (dict(mosaic_block_v=32, mosaic_shared_head=True), "block_v"),
+    (dict(output_dots="highest"), "output_dots"),
+])
+def test_unsupported_configs_raise(overrides, match):
+    """Refused on the forward call, or (the reverse pass's knobs) on its gradient."""
+    x = _bf16_case(_inputs(T=70, B=1, H=1, Hv=1, K=D, V=D))
+    cfg = _config(x, **dict(dict(pass_backend="mosaic"), **overrides))
+    with pytest.raises(ValueError, match=match):
+        _call(_fn(cfg), x)
+        _grads(_fn(cfg), x)
+
+
+def test_unsupported_inputs_raise():
+    """K or V other than 128 and 16-bit inputs other than bf16 are named in the error."""
+    x = _bf16_case(_inputs(T=70, B=1, H=1, Hv=1, K=64, V=D))
+    with pytest.raises(ValueError, match="K = V = 128"):
+        _call(_fn(_config(x, pass_backend="mosaic")), x)
+    y = _inputs(T=70, B=1, H=1, Hv=1, K=D, V=D)
+    y = dict(y, **{n: y[n].astype(jnp.float16) for n in ("q", "k", "v")}, scale=1.0)
+    with pytest.raises(ValueError, match="bfloat16"):  # (fp16's default state products are "split": refused first)
+        _call(_fn(_config(y, pass_backend="mosaic", state_dots="bf16", grad_k_dots="bf16")), y)
+
+
+def test_unknown_pass_backend_raises():
+    x = _bf16_case(_inputs(T=70, B=1, H=1, Hv=1, K=D, V=D))
+    with pytest.raises(ValueError, match="pass_backend"):
+        _call(_fn(_config(x, pass_backend="cuda")), x)
+
+
+KDA_CALL = dispatch.RuleCall(op="delta_rule", batch=32, seq_len=100, key_heads=2, value_heads=4, key_dim=D,
+                             value_dim=D, dtype="bfloat16", decay="channel", has_initial_state=True,
+                             has_segment_ids=True, chunk_size=64, platform="gpu")
+
+
+def test_dispatch_takes_kda_to_mosaic_on_hopper(monkeypatch):
+    """"mosaic" takes KDA calls that `supports_kda` takes in bf16 with K = V = 128, on Hopper only, and "auto"
+    prefers it there (with few heads its config is the Triton one)."""
+    monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: True)
+    assert pallas_gpu.supports_mosaic_kda(KDA_CALL) and pallas_gpu.supports_mosaic_delta_rule(KDA_CALL)
+    for change in (dict(platform="cpu"), dict(dtype="float32"), dict(dtype="float16"), dict(key_dim=64),
+                   dict(value_dim=64), dict(value_heads=3), dict(chunk_size=32), dict(decay="scalar")):
+        assert not pallas_gpu.supports_mosaic_kda(KDA_CALL._replace(**change)), change
+    assert dispatch.select("delta_rule", "auto", KDA_CALL).name == "mosaic"
+    monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: False)
+    assert not pallas_gpu.supports_mosaic_kda(KDA_CALL)
+    assert dispatch.select("delta_rule", "auto", KDA_CALL).name == "pallas"
+
+
+@pytest.mark.parametrize("batch,value_heads,dtype,K,expected", [
+    (8, 16, jnp.bfloat16, D, "mosaic"),
+    (4, 16, jnp.bfloat16, D, "mosaic"),  # 64 heads: the threshold
+    (2, 16, jnp.bfloat16, D, "triton"),
+    (8, 16, jnp.float32, D, "triton"),
+    (8, 16, jnp.bfloat16, 64, "triton"),
+])
+def test_mosaic_config_takes_the_mosaic_pass_from_the_threshold(batch, value_heads, dtype, K, expected):
+    q = jnp.zeros((batch, 64, value_heads, K), dtype)
+    cfg = kda.mosaic_config(q, q, scale=0.1, chunk_size=64, segmented=False, interpret=False)
+    assert cfg.pass_backend == expected
+    assert kda.MOSAIC_PASS_MIN_BATCH_HEADS == 64
+
+
+def test_registered_function_matches_scan_in_interpreter(monkeypatch):
+    """The dispatch's function on a KDA call above the threshold runs the Mosaic pass (interpreted here)."""
+    monkeypatch.setattr(kda, "MOSAIC_PASS_MIN_BATCH_HEADS", 2)
+    x = _bf16_case(_inputs(T=70, B=1, H=1, Hv=2, K=D, V=D))
+    assert kda.mosaic_config(x["q"], x["v"], scale=0.1, chunk_size=64, segmented=True,
+                             interpret=True).pass_backend == "mosaic"
+    _check(x, BF16_OUT_TOL, None, fn=lambda *a, **kw: pallas_gpu.mosaic_delta_rule(*a, **kw, chunk_size=64),
+           label="mosaic-dispatch")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lowers_for_cuda(variant):
+    """The call and its gradient lowered for an abstract H100 (documents, an initial state, Hv = 2H): one Mosaic GPU
+    call in each (the forward pass; the backward's kernels are Triton's). Catches what the interpreter accepts but
+    Mosaic GPU cannot lower."""
+    B, T, H, Hv = 1, 130, 2, 4
+    q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((B, T, Hv, D), jnp.bfloat16)
+    beta = jax.ShapeDtypeStruct((B, T, Hv), jnp.float32)
+    log_decay = jax.ShapeDtypeStruct((B, T, Hv, D), jnp.float32)
+    h0 = jax.ShapeDtypeStruct((B, Hv, D, D), jnp.float32)
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    example = jnp.zeros((B, T, Hv, D), jnp.bfloat16)
+    cfg = dataclasses.replace(
+        kda.default_config(example, example, scale=0.1, chunk_size=64, segmented=True, interpret=False),
+        pass_backend="mosaic", **VARIANTS[variant])
+
+    def call(q, k, v, beta, log_decay, h0, ids):
+        return kda.kda_chunk(q, k, v, beta, log_decay, scale=0.1, initial_state=h0, segment_ids=ids,
+                             interpret=False, config=cfg)
+
+    def loss(*args):
+        o, s = call(*args)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+    with jax.sharding.use_abstract_mesh(H100):
+        forward = jax.jit(call).trace(q, q, v, beta, log_decay, h0, ids).lower(lowering_platforms=("cuda",))
+        gradient = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))).trace(
+            q, q, v, beta, log_decay, h0, ids).lower(lowering_platforms=("cuda",))
+        cfg = dataclasses.replace(cfg, reverse_backend="mosaic")  # `call` reads cfg when traced
+        both = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))).trace(
+            q, q, v, beta, log_decay, h0, ids).lower(lowering_platforms=("cuda",))
+    assert forward.as_text().count("custom_call @mosaic_gpu_v2") == 1
+    assert gradient.as_text().count("custom_call @mosaic_gpu_v2") == 1
+    assert both.as_text().count("custom_call @mosaic_gpu_v2") == 2  # and the reverse pass
+
+
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+
+# T, packed, initial state, (H, Hv), variant
+GPU_CASES = [
+    (1000, True, True, (2, 4), "bv64"),
+    (1000, True, True, (2, 4), "shared_head"),
+    (1, False, True, (2, 2), "bv64"),
+    (1, False, True, (2, 2), "shared_head"),
+    (3, False, True, (2, 2), "bv32"),
+    (257, True, True, (1, 2), "bv32"),
+    (300, False, False, (2, 2), "bv64_output_bf16"),
+    (300, False, False, (2, 2), "shared_head_output_bf16"),
+]
+
+
+@gpu_only
+@pytest.mark.parametrize("T,packed,init,heads,variant", GPU_CASES)
+def test_gpu_matches_scan(T, packed, init, heads, variant):
+    """Compiled: outputs, final state and every gradient against the fp32 scan at the bf16 bounds."""
+    x = _bf16_case(_inputs(T=T, H=heads[0], Hv=heads[1], K=D, V=D, packed=packed, init=init))
+    cfg = _config(x, pass_backend="mosaic", **VARIANTS[variant])
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(cfg), label=f"gpu-mosaic-T{T}-{variant}")
+
+
+@gpu_only
+@pytest.mark.parametrize("family", [None, *ADVERSARIAL])
+def test_gpu_mosaic_reverse_pass_matches_scan(family):
+    """Both passes in Mosaic GPU, compiled: every gradient against the scan at the bf16 bounds."""
+    shape = dict(B=2, T=500, H=2, Hv=4, K=D, V=D)
+    x = _bf16_case(_inputs(**shape) if family is None else _adversarial(family, **shape))
+    cfg = _config(x, pass_backend="mosaic", reverse_backend="mosaic")
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(cfg), label=f"gpu-mosaic-reverse-{family}")
+
+
+@gpu_only
+@pytest.mark.parametrize("family", ADVERSARIAL)
+@pytest.mark.parametrize("variant", ["bv64", "shared_head"])
+def test_gpu_adversarial(family, variant):
+    """As `test_adversarial_in_interpreter`, compiled, with the gradients against the scan too."""
+    x = _bf16_case(_adversarial(family, B=2, T=500, H=2, Hv=4, K=D, V=D))
+    mosaic = _config(x, pass_backend="mosaic", **VARIANTS[variant])
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"gpu-mosaic-{variant}-{family}")
+    _assert_equal_up_to_16_bit_rounding(_call(_fn(mosaic), x),
+                                        _call(_fn(dataclasses.replace(mosaic, pass_backend="triton")), x),
+                                        per_element=False)

@@ -1045,8 +1045,7 @@ def _forward_pass(cfg, src, v, beta, t, p, h0, *, with_states):
         _check_mosaic_pass(cfg, with_states)
         return mosaic_kda.forward_pass(src, v, beta, t, p, h0, scale=cfg.scale, output_dots=cfg.output_dots,
                                        block_v=cfg.mosaic_block_v, shared_head=cfg.mosaic_shared_head,
-                                       with_states=with_states,
-                                       interpret=cfg.interpret)
+                                       with_states=with_states, interpret=cfg.interpret)
     if cfg.forward == "split":
         o, final, starts, u_pair = _split_forward(cfg, src, v, beta, t, p, h0, with_states=with_states)
         return (o, final, starts, u_pair) if with_states else (o, final)
@@ -1684,8 +1683,9 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
 
 
 # The Mosaic GPU forward pass (`Config.pass_backend="mosaic"`, Hopper) from this many batch x value-head pairs per
-# call: one warpgroup per V block of 64, so 2 CTAs per head; with fewer heads the Triton pass's narrow blocks fill
-# more SMs (1x32768x16x128, H100, 2026-11-28: forward 4.48 ms with the Mosaic pass at BV 32, docs/kernels.md).
+# call: one warpgroup per V block of 64, so 2 CTAs per head. Measured faster at 64 and 128 heads; with 16 the
+# Triton pass's narrow blocks fill more SMs (1x32768x16x128, H100, host-timed: forward 4.41-4.48 ms with the Mosaic
+# pass against 4.23-4.26 for the Triton one; docs/kernels.md); 32 heads were not timed.
 MOSAIC_PASS_MIN_BATCH_HEADS = 64
 
 

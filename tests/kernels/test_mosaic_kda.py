@@ -200,6 +200,7 @@ def test_gradients_through_the_mosaic_reverse_pass_in_interpreter(family):
     (dict(state_dots="split", state_storage="fp32"), "state_dots"),
     (dict(operands="inline", cumsum="kernel"), "operands"),
     (dict(forward="split"), "forward"),
+    (dict(prepare="blocks"), "prepare"),
     (dict(mosaic_block_v=16), "block_v"),
     (dict(mosaic_block_v=32, mosaic_shared_head=True), "block_v"),
     (dict(output_dots="highest"), "output_dots"),

@@ -524,7 +524,10 @@ def _assert_equal_up_to_16_bit_rounding(first, second, *, per_element=True):
     holds the fp32 leaves, since the flipped term reaches them too: d(log_decay) sums k (.) dk, and the in-chunk
     reverse cumsum carries one token's change to every earlier token of its chunk (CI, seed 1295721512: token 2's
     terms changed in 28 of 64 channels of one head, which moved d(log_decay) at tokens 0-2 by the same amounts and
-    nowhere else, 5.7e-5 relative; 12 more draws: at most 4.2e-6 in 11, 3.2e-5 in one)."""
+    nowhere else, 5.7e-5 relative; 12 more draws: at most 4.2e-6 in 11, 3.2e-5 in one). The count of differing
+    elements is then no bound either: the moved term reaches every later output of its chunk through the state, and
+    with correlated keys and beta near 2 the reverse pass amplifies it (CI, seed 1865190574, the two reverse passes:
+    dk differed in 209 of 16640 elements, in 58 of 130 tokens, 2.5e-4 relative; dv in 48 of 33280, 1.5e-4)."""
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         if a.dtype == jnp.float32:
             assert relative_error(a, b) <= (1e-5 if per_element else 5e-4), (a.dtype, a.shape)
@@ -537,9 +540,12 @@ def _assert_equal_up_to_16_bit_rounding(first, second, *, per_element=True):
         # plus the fp32 paths' own difference, which decides the rounding of elements near zero
         ulp = ulp + 1e-5 * jnp.max(magnitude)
         differing = int(jnp.sum(a != b))
-        allowed = 0.005 * 2 ** (mantissa_bits - 7) * a.size
-        close = bool(jnp.all(jnp.abs(a - b) <= ulp)) if per_element else relative_error(a, b) <= 5e-4
-        assert close and differing <= allowed, (a.shape, differing, relative_error(a, b))
+        if per_element:
+            allowed = 0.005 * 2 ** (mantissa_bits - 7) * a.size
+            close = bool(jnp.all(jnp.abs(a - b) <= ulp)) and differing <= allowed
+        else:
+            close = relative_error(a, b) <= 5e-4
+        assert close, (a.shape, differing, relative_error(a, b))
 
 
 @pytest.mark.parametrize("forward,dtype", [("fused", "bfloat16"), ("split", "bfloat16"), ("fused", "float16")])

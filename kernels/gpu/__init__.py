@@ -17,9 +17,9 @@ Mosaic GPU; the gates and per-token vectors around them are two small Triton ker
 `supports_mosaic`: the GPU backend on a compute capability 9.x device, the delta rule with no or a scalar decay,
 bfloat16 q/k/v, K = V = 128, Hv a multiple of H, chunk size 64. For KDA (`supports_mosaic_kda`: what
 `supports_kda` takes, bfloat16, K = V = 128, on Hopper) "mosaic" runs the KDA kernels with `kda.mosaic_config`,
-whose forward pass is the Mosaic GPU one (`mosaic_kda.py`) from 64 value heads per call. "auto" prefers "mosaic"
-over "pallas" (`MOSAIC_PRIORITY`): measured as fast or faster forward and forward+backward at every size timed
-(docs/benchmarks.md).
+whose forward and reverse passes are the Mosaic GPU ones (`mosaic_kda.py`) from 64 value heads per call. "auto"
+prefers "mosaic" over "pallas" (`MOSAIC_PRIORITY`): measured as fast or faster forward and forward+backward at every
+size timed (docs/benchmarks.md).
 
 On a machine without a GPU the same kernels run in Pallas's interpreter through `wy_chunk.chunk_wy(...,
 interpret=True)` and `kda.kda_chunk(..., interpret=True)`; the dispatch never picks them there.
@@ -97,8 +97,8 @@ def supports_mosaic(call: dispatch.RuleCall) -> bool:
 
 
 def supports_mosaic_kda(call: dispatch.RuleCall) -> bool:
-    """KDA with its forward pass in Mosaic GPU (`kda.mosaic_config`, `mosaic_kda.py`): what `supports_kda` accepts,
-    bfloat16, K = V = 128, on Hopper."""
+    """KDA with its sequential passes in Mosaic GPU (`kda.mosaic_config`, `mosaic_kda.py`): what `supports_kda`
+    accepts, bfloat16, K = V = 128, on Hopper."""
     if not supports_kda(call) or call.dtype != "bfloat16":
         return False
     if call.key_dim != mosaic_kda.HEAD_DIM or call.value_dim != mosaic_kda.HEAD_DIM:

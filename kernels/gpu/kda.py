@@ -1685,14 +1685,17 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
 # The Mosaic GPU forward pass (`Config.pass_backend="mosaic"`, Hopper) from this many batch x value-head pairs per
 # call: one warpgroup per V block of 64, so 2 CTAs per head. Measured faster at 64 and 128 heads; with 16 the
 # Triton pass's narrow blocks fill more SMs (1x32768x16x128, H100, host-timed: forward 4.41-4.48 ms with the Mosaic
-# pass against 4.23-4.26 for the Triton one; docs/kernels.md); 32 heads were not timed.
+# pass against 4.23-4.26 for the Triton one; docs/kernels.md); 32 heads were not timed. With it the reverse pass
+# runs in Mosaic GPU too (8x2048x16x128, H200, host-timed in one call: 0.544 ms against the Triton reverse pass's
+# 0.729 on the same Mosaic forward, forward+backward 4.568 against 4.802).
 MOSAIC_PASS_MIN_BATCH_HEADS = 64
 
 
 def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
-    """`default_config` with the forward pass in Mosaic GPU where it applies (`mosaic_kda.check_supported`: bf16,
-    K = V = 128, chunk 64) and the call has at least `MOSAIC_PASS_MIN_BATCH_HEADS` value heads; the Triton kernels
-    otherwise. The config of the dispatch's "mosaic" implementation for KDA."""
+    """`default_config` with the forward and reverse passes in Mosaic GPU where they apply
+    (`mosaic_kda.check_supported`: bf16, K = V = 128, chunk 64) and the call has at least
+    `MOSAIC_PASS_MIN_BATCH_HEADS` value heads; the Triton kernels otherwise. The config of the dispatch's "mosaic"
+    implementation for KDA."""
     cfg = default_config(q, v, scale=scale, chunk_size=chunk_size, segmented=segmented, interpret=interpret)
     try:
         mosaic_kda.check_supported(key_dim=q.shape[3], value_dim=v.shape[3], chunk_size=chunk_size, dtype=q.dtype,
@@ -1701,7 +1704,7 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
         return cfg
     if q.shape[0] * v.shape[2] < MOSAIC_PASS_MIN_BATCH_HEADS:
         return cfg
-    return dataclasses.replace(cfg, pass_backend="mosaic")
+    return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic")
 
 
 def _pow2_at_least_16(n):

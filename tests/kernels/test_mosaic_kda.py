@@ -260,18 +260,19 @@ def test_dispatch_takes_kda_to_mosaic_on_hopper(monkeypatch):
 def test_mosaic_config_takes_the_mosaic_pass_from_the_threshold(batch, value_heads, dtype, K, expected):
     q = jnp.zeros((batch, 64, value_heads, K), dtype)
     cfg = kda.mosaic_config(q, q, scale=0.1, chunk_size=64, segmented=False, interpret=False)
-    assert cfg.pass_backend == expected
+    assert cfg.pass_backend == expected and cfg.reverse_backend == expected
     assert kda.MOSAIC_PASS_MIN_BATCH_HEADS == 64
 
 
 def test_registered_function_matches_scan_in_interpreter(monkeypatch):
-    """The dispatch's function on a KDA call above the threshold runs the Mosaic pass (interpreted here)."""
+    """The dispatch's function on a KDA call above the threshold runs both Mosaic passes (interpreted here): the
+    outputs and the gradients against the scan."""
     monkeypatch.setattr(kda, "MOSAIC_PASS_MIN_BATCH_HEADS", 2)
     x = _bf16_case(_inputs(T=70, B=1, H=1, Hv=2, K=D, V=D))
-    assert kda.mosaic_config(x["q"], x["v"], scale=0.1, chunk_size=64, segmented=True,
-                             interpret=True).pass_backend == "mosaic"
-    _check(x, BF16_OUT_TOL, None, fn=lambda *a, **kw: pallas_gpu.mosaic_delta_rule(*a, **kw, chunk_size=64),
-           label="mosaic-dispatch")
+    cfg = kda.mosaic_config(x["q"], x["v"], scale=0.1, chunk_size=64, segmented=True, interpret=True)
+    assert (cfg.pass_backend, cfg.reverse_backend) == ("mosaic", "mosaic")
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol,
+           fn=lambda *a, **kw: pallas_gpu.mosaic_delta_rule(*a, **kw, chunk_size=64), label="mosaic-dispatch")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -170,8 +170,13 @@ def test_prepare_writes_t_and_p_as_pairs_the_reverse_pass_reads():
 @pytest.mark.parametrize("variant", ["bv64", "bv32"])
 def test_reverse_pass_equals_the_triton_one_in_interpreter(variant):
     """`Config.reverse_backend="mosaic"`: the reverse pass in Mosaic GPU on the same T and P pairs and stored
-    operands as the Triton reverse pass: d(initial state) and dx (hi + lo) to 1e-5, the bf16 end-state cotangents up
-    to rounding flips (T = 192: `_prepare_and_reverse` takes whole chunks)."""
+    operands as the Triton reverse pass: d(initial state) to 1e-5, the bf16 end-state cotangents up to rounding
+    flips, and dx (hi + lo) to the relative bound of a term downstream of such a flip (T = 192:
+    `_prepare_and_reverse` takes whole chunks). dx takes the product (E.K) bf16(dS) of the running state cotangent,
+    whose bf16 rounding flips where the two passes' fp32 sums differ in the last bit; a flipped element moves that
+    row's dx by up to 2^-9 of the term, far beyond the pair's own resolution (CI, seed 918596328, BV 32: dx differed
+    in 421 of 24576 elements, the largest by 40 ulps of its bf16 hi, 1.02e-5 relative overall, over the 1e-5 it was
+    held to; d(initial state) 5.4e-7). Both passes are held to the bf16 bounds against the fp32 scan below."""
     x = _bf16_case(_inputs(T=192, B=1, H=1, Hv=1, K=D, V=D, packed=False))
     mosaic = _config(x, pass_backend="mosaic", reverse_backend="mosaic", **VARIANTS[variant])
     _, _, (dh0, dends, dx) = _prepare_and_reverse(mosaic, x)
@@ -179,7 +184,8 @@ def test_reverse_pass_equals_the_triton_one_in_interpreter(variant):
     assert dends.dtype == dx[0].dtype == jnp.bfloat16
     assert relative_error(dh0, dh0_t) <= 1e-5
     _assert_equal_up_to_16_bit_rounding(dends, dends_t)
-    assert relative_error(*(pair[0].astype(jnp.float32) + pair[1].astype(jnp.float32) for pair in (dx, dx_t))) <= 1e-5
+    _assert_equal_up_to_16_bit_rounding(*(pair[0].astype(jnp.float32) + pair[1].astype(jnp.float32)
+                                          for pair in (dx, dx_t)), per_element=False)
 
 
 @pytest.mark.parametrize("family", [None, *ADVERSARIAL])

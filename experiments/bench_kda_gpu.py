@@ -61,7 +61,7 @@ VARIANTS = {
     "output_bf16": dict(output_dots="bf16"),
     # The V gradient kernel forming u and dx from T, P and the states, as before 11-27 (the default reads them as
     # the passes saved them, `Config.grads_from_passes`).
-    "recomputed_u_dx": dict(grads_from_passes=False),
+    "recomputed_u_dx": dict(grads_from_passes=False, grad_k_splits=1),
     "sub_chunks_only": dict(span_limit=None),
     # Only the per-program span switch: prepare and the pair kernel always carry the sub-chunk code (before 11-26).
     "per_program_check": dict(call_span_check=False),  # never one reference per chunk (kda.SPAN_LIMIT)
@@ -103,10 +103,17 @@ VARIANTS = {
     "grad_bv16": dict(grad_block_v=16),
     "grad_bv64": dict(grad_block_v=64),
     "grad_warps4": dict(grad_warps=4),
-    "grad_split2": dict(grad_v_splits=2),  # 2 programs per chunk, 64 value columns each
-    "grad_split4": dict(grad_v_splits=4),
-    "grad_split2_warps4": dict(grad_v_splits=2, grad_warps=4),
-    "grad_split4_warps4": dict(grad_v_splits=4, grad_warps=4),
+    # 2 programs per chunk, 64 value columns each
+    "grad_split2": dict(grad_v_splits=2, grad_k_splits=1, grad_warps=8),
+    "grad_split4": dict(grad_v_splits=4, grad_k_splits=1, grad_warps=8),
+    "grad_split2_warps4": dict(grad_v_splits=2, grad_k_splits=1, grad_warps=4),
+    "grad_split4_warps4": dict(grad_v_splits=4, grad_k_splits=1, grad_warps=4),
+    "grad_one_program": dict(grad_k_splits=1, grad_warps=8),  # the V gradient kernel before 2026-11-29
+    # 2 programs per chunk, 64 channels each (dP on one, dM on the other); the default at 4 warps
+    "grad_ksplit2": dict(grad_k_splits=2, grad_warps=8),
+    "grad_ksplit2_warps4": dict(grad_k_splits=2, grad_warps=4),
+    "grad_ksplit2_bv64": dict(grad_k_splits=2, grad_block_v=64),
+    "grad_ksplit2_bv64_warps4": dict(grad_k_splits=2, grad_block_v=64, grad_warps=4),
     "grad_bv64_warps4": dict(grad_block_v=64, grad_warps=4),
     "pair_bk16": dict(pair_block_k=16),
     "pair_bk64": dict(pair_block_k=64),

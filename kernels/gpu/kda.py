@@ -197,6 +197,9 @@ class Config:
     pair_block_k: int = 128  # channels per program of the pair gradient kernel
     pass_stages: int = 2  # software-pipeline depth of the sequential passes (stored operands need 1: shared memory)
     grad_v_splits: int = 1  # programs per chunk of the V gradient kernel, each over V / grad_v_splits columns
+    # Programs per chunk of the V gradient kernel, each over K / grad_k_splits channels (1 or 2; 2 needs
+    # `grads_from_passes`): half the C x K accumulators per program, dP formed on one and dM on the other.
+    grad_k_splits: int = 1
     grid_order: str = "chunks"  # launch order of the chunk-parallel kernels (`common.GRID_ORDERS`)
     cumsum: str = "xla"  # CUMSUM_METHODS
     partner_rows: str = "loaded"  # PARTNER_ROWS: how prepare's partner loop gets the partner tokens' rows
@@ -1144,7 +1147,12 @@ def _grad_v_kernel(*refs, cfg: Config):
 
     With stored operands the loop loads A (.) K and E (.) K as dot operands, and A, E are formed after it, for the
     boundary terms only: fewer C x K fp32 tiles live across the loop. With `Config.grads_from_passes` it loads u
-    and dx as the passes saved them (bf16 pairs) instead of T, P and the products that form them."""
+    and dx as the passes saved them (bf16 pairs) instead of T, P and the products that form them.
+
+    With `Config.grad_k_splits` = 2 the program sees half of the channels (its blocks of the K-indexed refs) and
+    its role is `pl.program_id(0)`: every C x K term is per channel, dbeta's sum over channels is split (the value
+    counted by role 0) and summed in XLA, and the C x C squares, which need no channel, are shared out: role 0
+    forms dP and writes dv, role 1 forms dM (one C x C accumulator each)."""
     n = _n_source(cfg, "backward") if cfg.operands == "stored" else 0
     n_saved = 4 if cfg.grads_from_passes else 2  # (u hi, u lo, dx hi, dx lo) or (T, P)
     src, refs = refs[:n], refs[n:]
@@ -1157,6 +1165,8 @@ def _grad_v_kernel(*refs, cfg: Config):
     BV = min(cfg.grad_block_v, V)
     geo = _geometry(C)
     beta = beta_ref[...]
+    split_k = cfg.grad_k_splits > 1
+    role = pl.program_id(0) if split_k else None
     boundary = lambda: _boundary(geo, g_ref[...], glo_ref[...], carry_ref[...], tail_ref[...])
     if not src:
         bound = boundary()
@@ -1176,8 +1186,11 @@ def _grad_v_kernel(*refs, cfg: Config):
         du = cfg.scale * _odot(p, do, ta=True, mode=mode) + _odot(ke, dend, mode=cfg.state_dots)
         return u, _odot(t, du, ta=True, mode=mode)  # dx = dL/d(beta y)
 
+    def store_dv(cols, dx):
+        dv_ref[:, cols] = (beta[:, None] * dx).astype(dv_ref.dtype)
+
     def v_block(j, acc):
-        dqa, dka, dke, dp, dm, dbeta, dgamma = acc
+        dqa, dka, dke, squares, dbeta, dgamma = acc
         cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
         s0, dend, do = s0_ref[:, cols], dend_ref[:, cols], do_ref[:, cols]
         if src:
@@ -1185,23 +1198,39 @@ def _grad_v_kernel(*refs, cfg: Config):
             ka, ke = ops.ak, ops.ke
         else:
             ka, ke = inline
-        y = v_ref[:, cols].astype(F32) - _odot(ka, s0, mode=cfg.state_dots)
+        values = v_ref[:, cols].astype(F32)
+        if split_k:  # y's share of this program's channels: the value is counted once, by role 0
+            values = jnp.where(role == 0, values, 0.0)
+        y = values - _odot(ka, s0, mode=cfg.state_dots)
         u, dx_parts = u_and_dx(cols, y, do, dend, ke)
         dx = _fp32(dx_parts)
-        dv_ref[:, cols] = (beta[:, None] * dx).astype(dv_ref.dtype)
+        if split_k:
+            pl.when(role == 0)(lambda: store_dv(cols, dx))
+        else:
+            store_dv(cols, dx)
         late = cfg.grad_k_dots
         dqa = dqa + _dot(do, s0, tb=True, mode=late)  # / scale
         dka = dka - _dot(beta[:, None] * dx, s0, tb=True, mode=late)
         dke = dke + _nt_dot(u, dend, mode=mode)
-        dp = dp + _nt_dot(do, u, mode=mode)  # / scale
-        dm = dm - _nt_dot(dx_parts, u, mode=mode)  # dL/d(diag(beta) R) = -T^T du u^T
+        if split_k:
+            # dP = dO u^T on role 0, dM = -dx u^T on role 1: the left operand as a bf16 pair either way (dO's is
+            # (dO, 0), so its three products are the two of `_nt_dot(do, u)` and a zero; -dx's are dx's negated),
+            # the same sums as below.
+            left = tuple(jnp.where(role == 0, a, -b) for a, b in zip(_split_bf16(do), dx_parts))
+            squares = (squares[0] + _nt_dot(left, u, mode=mode),)
+        else:
+            dp, dm = squares
+            dp = dp + _nt_dot(do, u, mode=mode)  # / scale
+            dm = dm - _nt_dot(dx_parts, u, mode=mode)  # dL/d(diag(beta) R) = -T^T du u^T
+            squares = (dp, dm)
         dbeta = dbeta + jnp.sum(dx * y, axis=1)
         dgamma = dgamma + jnp.sum(s0.astype(F32) * dend.astype(F32), axis=1)
-        return dqa, dka, dke, dp, dm, dbeta, dgamma
+        return dqa, dka, dke, squares, dbeta, dgamma
 
     zeros = lambda *shape: jnp.zeros(shape, F32)
-    acc = (zeros(C, K), zeros(C, K), zeros(C, K), zeros(C, C), zeros(C, C), zeros(C), zeros(K))
-    dqa, dka, dke, dp, dm, dbeta, dgamma = lax.fori_loop(0, V // BV, v_block, acc)
+    squares = (zeros(C, C),) if split_k else (zeros(C, C), zeros(C, C))
+    acc = (zeros(C, K), zeros(C, K), zeros(C, K), squares, zeros(C), zeros(K))
+    dqa, dka, dke, squares, dbeta, dgamma = lax.fori_loop(0, V // BV, v_block, acc)
     if src:
         bound = boundary()
     a, e = bound.a, bound.e
@@ -1209,12 +1238,22 @@ def _grad_v_kernel(*refs, cfg: Config):
 
     incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
     dqa = cfg.scale * dqa
-    dp = jnp.where(incl, cfg.scale * dp, 0.0)
-    dp_ref[...] = dp
-    dm = jnp.where(strict, dm, 0.0)
-    dm_ref[...] = dm
-    dpt_ref[...], dmt_ref[...] = dp.T, dm.T  # the pair kernel loads rows of dP and dM as columns of these
-    dbeta_ref[...] = dbeta + jnp.sum(dm * r_ref[...], axis=1)  # through R's factor diag(beta)
+    masked_dp = lambda dp: jnp.where(incl, cfg.scale * dp, 0.0)
+    masked_dm = lambda dm: jnp.where(strict, dm, 0.0)
+
+    def store(refs, x):
+        refs[0][...], refs[1][...] = x, x.T  # the pair kernel loads rows of dP and dM as columns of the transposes
+
+    if split_k:
+        square = jnp.where(role == 0, masked_dp(squares[0]), masked_dm(squares[0]))
+        pl.when(role == 0)(lambda: store((dp_ref, dpt_ref), square))
+        pl.when(role == 1)(lambda: store((dm_ref, dmt_ref), square))
+        dbeta_ref[...] = dbeta + jnp.where(role == 1, jnp.sum(square * r_ref[...], axis=1), 0.0)
+    else:
+        dp, dm = masked_dp(squares[0]), masked_dm(squares[1])
+        store((dp_ref, dpt_ref), dp)
+        store((dm_ref, dmt_ref), dm)
+        dbeta_ref[...] = dbeta + jnp.sum(dm * r_ref[...], axis=1)  # through R's factor diag(beta)
     dq_ref[...] = a * dqa
     dk_ref[...] = e * dke + a * dka
     # dG through A = carry exp(G) and gamma = carry_C exp(G_C) (at the last token). E's share goes out separately
@@ -1396,44 +1435,59 @@ def _pair_grads_sub_chunks(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_re
 
 
 def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do):
-    """`_grad_v_kernel`, grid (S, chunks, B*Hv) with S = `Config.grad_v_splits` programs per chunk, each over V/S
-    value columns: (dv, dq, dk, dG, dE, dbeta, dP, dM) with dq, dk, dG partial. Every output but dv is linear in
-    the V contractions, so the S programs' shares are summed here. `saved`: (T, P), or with
-    `Config.grads_from_passes` the pairs of u and dx (u hi, u lo, dx hi, dx lo)."""
+    """`_grad_v_kernel`, grid (P, chunks, B*Hv) with P programs per chunk: S = `Config.grad_v_splits` over V/S value
+    columns each, or KS = `Config.grad_k_splits` over K/KS channels each. Returns (dv, dq, dk, dG, dE, dbeta, dP,
+    dM) with dq, dk, dG partial. Every output but dv is linear in the V contractions, so the S programs' shares are
+    summed here; with KS programs the per-channel outputs are disjoint blocks and only dbeta is a sum of shares.
+    `saved`: (T, P), or with `Config.grads_from_passes` the pairs of u and dx (u hi, u lo, dx hi, dx lo)."""
     B, Tp, _, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
-    C, S = cfg.chunk_size, cfg.grad_v_splits
+    C, S, KS = cfg.chunk_size, cfg.grad_v_splits, cfg.grad_k_splits
+    G = cfg.value_heads // cfg.key_heads
     if S < 1 or V % S or V // S < 16 or (V // S) & (V // S - 1):
         raise ValueError(f"config.grad_v_splits must divide V = {V} into power-of-two blocks >= 16, got {S}")
-    VS = V // S
+    if KS not in (1, 2):
+        raise ValueError(f"config.grad_k_splits must be 1 or 2 (the roles dP and dM), got {KS}")
+    if KS > 1 and (S > 1 or not cfg.grads_from_passes or K // KS < 16):
+        raise ValueError("config.grad_k_splits=2 needs grad_v_splits=1, grads_from_passes (y's full sum over the "
+                         f"channels is not formed) and K >= 32; got grad_v_splits={S}, "
+                         f"grads_from_passes={cfg.grads_from_passes}, K={K}")
+    VS, BK, nt = V // S, K // KS, Tp // C
+    # the grid's first axis p is a V share (S > 1) or a channel block (KS > 1)
+    vs = (lambda p: p) if S > 1 else (lambda p: 0)
+    kb = (lambda p: p) if KS > 1 else (lambda p: 0)
     sp = _chunk_specs(cfg, K, V)
-    lift = lambda spec: pl.BlockSpec(spec.block_shape, lambda sv, i, bh, f=spec.index_map: f(i, bh))
+    lift = lambda spec: pl.BlockSpec(spec.block_shape, lambda p, i, bh, f=spec.index_map: f(i, bh))
     head = lambda i, bh: (bh // Hv, i, bh % Hv)
-    value = pl.BlockSpec((None, C, None, VS), lambda sv, i, bh: head(i, bh) + (sv,))
-    state = pl.BlockSpec((None, None, K, VS), lambda sv, i, bh: (bh // Hv, bh % Hv, i, sv))
-    share = lambda n: pl.BlockSpec((None, None, C, None, n), lambda sv, i, bh: (sv,) + head(i, bh) + (0,))
-    gate_share = pl.BlockSpec((None, None, C, None), lambda sv, i, bh: (sv,) + head(i, bh))
+    key = pl.BlockSpec((None, C, None, BK), lambda p, i, bh: (bh // Hv, i, (bh % Hv) // G, kb(p)))
+    channel = pl.BlockSpec((None, C, None, BK), lambda p, i, bh: head(i, bh) + (kb(p),))
+    gamma = pl.BlockSpec((None, None, BK), lambda p, i, bh: (bh // Hv, bh % Hv, i * KS + kb(p)))
+    value = pl.BlockSpec((None, C, None, VS), lambda p, i, bh: head(i, bh) + (vs(p),))
+    state = pl.BlockSpec((None, None, BK, VS), lambda p, i, bh: (bh // Hv, bh % Hv, i * KS + kb(p), vs(p)))
+    per_channel_share = pl.BlockSpec((None, None, C, None, BK), lambda p, i, bh: (vs(p),) + head(i, bh) + (kb(p),))
+    square_share = pl.BlockSpec((None, None, C, None, C), lambda p, i, bh: (vs(p),) + head(i, bh) + (0,))
+    gate_share = pl.BlockSpec((None, None, C, None), lambda p, i, bh: (p,) + head(i, bh))
     per_channel = jax.ShapeDtypeStruct((S, B, Tp, Hv, K), F32)
     square = jax.ShapeDtypeStruct((S, B, Tp, Hv, C), F32)
     src = src if cfg.operands == "stored" else ()
+    src_specs = [channel] * (len(src) - 1) + [gamma] if src else []
     n_square = 4  # dP, dM, dP^T, dM^T
     dv, dq, dk, dg, de, dbeta, *squares = _chunk_parallel_call(
         functools.partial(_grad_v_kernel, cfg=cfg),
-        grid=(S, Tp // C, B * Hv),
+        grid=(S * KS, nt, B * Hv),
         grid_order=cfg.grid_order,
-        in_specs=[lift(x) for x in (_source_specs(cfg, sp, "backward") if src else [])] + [
-            lift(sp["key"]), lift(sp["key"]), value, lift(sp["gate"]), lift(sp["channel"]), lift(sp["channel"]),
-            lift(sp["seq"]), lift(sp["seq"]), lift(sp["seq"])] + (
-            [value] * 4 if cfg.grads_from_passes else [lift(sp["square"])] * 2) + [
+        in_specs=src_specs + [
+            key, key, value, lift(sp["gate"]), channel, channel, lift(sp["seq"]), lift(sp["seq"]),
+            lift(sp["seq"])] + ([value] * 4 if cfg.grads_from_passes else [lift(sp["square"])] * 2) + [
             lift(sp["square"]), state, state, value],
-        out_specs=[value, share(K), share(K), share(K), share(K), gate_share] + [share(C)] * n_square,
+        out_specs=[value] + [per_channel_share] * 4 + [gate_share] + [square_share] * n_square,
         out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), per_channel, per_channel, per_channel,
-                   per_channel, jax.ShapeDtypeStruct((S, B, Tp, Hv), F32)] + [square] * n_square,
+                   per_channel, jax.ShapeDtypeStruct((S * KS, B, Tp, Hv), F32)] + [square] * n_square,
         compiler_params=_params(cfg.grad_warps, cfg.stages),
         interpret=cfg.interpret,
         name="kda_grads_v",
     )(*src, q, k, v, beta, g, glo, doc, carry, tail, *saved, r, starts, dends, do)
-    total = lambda x: x[0] if S == 1 else jnp.sum(x, axis=0)
+    total = lambda x: x[0] if x.shape[0] == 1 else jnp.sum(x, axis=0)
     return (dv,) + tuple(total(x) for x in (dq, dk, dg, de, dbeta)) + (tuple(total(x) for x in squares),)
 
 
@@ -1634,6 +1688,10 @@ BLOCK_V = 64  # the widest V block of the sequential passes (`common.sequential_
 # backward 38.5-38.6 -> 37.5-37.6 ms; at 2x8192x16x128 17.87 -> 17.78 ms (H100, 2026-11-25).
 KDA_NARROWEST_BLOCK_V = 16
 GRAD_BLOCK_V = 32
+# Programs per chunk of the V gradient kernel with u and dx from the passes (`Config.grad_k_splits`), at 4 warps.
+# H200, 8x2048x16x128 bf16, `bench_kda_gpu.py` host-timed in one call (2026-11-29 07:16-07:21): the kernel 1.755-1.762
+# ms as one program at 8 warps, 1.445 as two at 4 warps (2.126 at 8 warps; 1.907 / 1.778 with V blocks of 64).
+GRAD_K_SPLITS = 2
 # Software-pipeline depth of the passes where a V block of 16 or 32 gives them at most one program per SM, for
 # bfloat16 inputs, K <= 128 and C <= 64 (four stored bf16 operand tiles of C x K per chunk, which two stages fit in
 # shared memory, leaving room for no second program); elsewhere 1 (at BV 64 two stages asked for 295 KB). H100,
@@ -1665,6 +1723,9 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
     bf16 = jnp.dtype(q.dtype) == jnp.bfloat16
     tolerant = "bf16" if bf16 else dots
     batch_heads = q.shape[0] * v.shape[2]
+    # u and dx from the passes free the V gradient kernel from y's full channel sum: two programs per chunk, one per
+    # half of the channels, at 4 warps (GRAD_K_SPLITS).
+    grad_k_splits = GRAD_K_SPLITS if dots == "split" and _pow2_at_least_16(q.shape[3]) >= 32 else 1
     block_v = sequential_block_v(batch_heads, V, BLOCK_V, KDA_NARROWEST_BLOCK_V)
     pass_stages = 1
     one_per_sm = one_program_per_sm_block_v(batch_heads, V, KDA_NARROWEST_BLOCK_V)
@@ -1676,10 +1737,10 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   prepare="partner",
                   block_v=block_v,
                   grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=2,
-                  grad_warps=8, pair_warps=4, stages=2, interpret=interpret,
+                  grad_warps=4 if grad_k_splits > 1 else 8, pair_warps=4, stages=2, interpret=interpret,
                   operands="stored", pass_stages=pass_stages, block_k=32, pair_block_k=32, reverse_warps=4,
                   cumsum="with_operands", span_limit=SPAN_LIMIT, state_storage="bf16" if bf16 else "fp32",
-                  grads_from_passes=dots == "split")
+                  grads_from_passes=dots == "split", grad_k_splits=grad_k_splits)
 
 
 # The Mosaic GPU forward pass (`Config.pass_backend="mosaic"`, Hopper) from this many batch x value-head pairs per

@@ -37,6 +37,7 @@ VARIANTS = {
     # Stored operands (pass stages 1), prepare in blocks of 32 channels, pair gradients 32 channels per program at 4
     # warps, V gradients at 8 warps, inverse "blocks" for bf16 (docs/kernels.md, KDA, 2026-11-25).
     "default": {},
+    # (The "grad_*" variants time the V gradient kernel of the two-kernel path: `fused_pair_grads=False`.)
     # The gates' compensated cumsum in XLA (`CumulativeLogDecay.of`) instead of `_cumulative_kernel`.
     "cumsum_xla": dict(cumsum="xla"),
     # The cumsum kernel writing only G, the forward's operands by their own kernel.
@@ -46,7 +47,7 @@ VARIANTS = {
     "chunks_first": dict(grid_order="chunks"),
     # The defaults until 2026-11-25: every kernel sat at 255 registers and spilled.
     "previous": dict(operands="inline", cumsum="kernel", pass_stages=2, block_k=128, pair_block_k=128, pair_warps=8,
-                     grad_warps=4),
+                     grad_warps=4, grad_k_splits=1, fused_pair_grads=False),
     "inline": dict(operands="inline", cumsum="kernel", pass_stages=2),
     "rows": dict(inverse="rows"),
     "prep_blocks": dict(prepare="blocks"),  # 16 x 16 block prepare (measured 2.4x slower once)
@@ -61,7 +62,7 @@ VARIANTS = {
     "output_bf16": dict(output_dots="bf16"),
     # The V gradient kernel forming u and dx from T, P and the states, as before 11-27 (the default reads them as
     # the passes saved them, `Config.grads_from_passes`).
-    "recomputed_u_dx": dict(grads_from_passes=False, grad_k_splits=1),
+    "recomputed_u_dx": dict(grads_from_passes=False, grad_k_splits=1, fused_pair_grads=False),
     "sub_chunks_only": dict(span_limit=None),
     # Only the per-program span switch: prepare and the pair kernel always carry the sub-chunk code (before 11-26).
     "per_program_check": dict(call_span_check=False),  # never one reference per chunk (kda.SPAN_LIMIT)
@@ -100,21 +101,35 @@ VARIANTS = {
     "prep_warps8": dict(prepare_warps=8),
     "prep_warps2_bk64": dict(prepare_warps=2, block_k=64),
     "prep_warps4": dict(prepare_warps=4),
-    "grad_bv16": dict(grad_block_v=16),
-    "grad_bv64": dict(grad_block_v=64),
-    "grad_warps4": dict(grad_warps=4),
+    "grad_bv16": dict(grad_block_v=16, fused_pair_grads=False),
+    "grad_bv64": dict(grad_block_v=64, fused_pair_grads=False),
+    "grad_warps4": dict(grad_warps=4, fused_pair_grads=False),
     # 2 programs per chunk, 64 value columns each
-    "grad_split2": dict(grad_v_splits=2, grad_k_splits=1, grad_warps=8),
-    "grad_split4": dict(grad_v_splits=4, grad_k_splits=1, grad_warps=8),
-    "grad_split2_warps4": dict(grad_v_splits=2, grad_k_splits=1, grad_warps=4),
-    "grad_split4_warps4": dict(grad_v_splits=4, grad_k_splits=1, grad_warps=4),
-    "grad_one_program": dict(grad_k_splits=1, grad_warps=8),  # the V gradient kernel before 2026-11-29
+    "grad_split2": dict(grad_v_splits=2, grad_k_splits=1, grad_warps=8, fused_pair_grads=False),
+    "grad_split4": dict(grad_v_splits=4, grad_k_splits=1, grad_warps=8, fused_pair_grads=False),
+    "grad_split2_warps4": dict(grad_v_splits=2, grad_k_splits=1, grad_warps=4, fused_pair_grads=False),
+    "grad_split4_warps4": dict(grad_v_splits=4, grad_k_splits=1, grad_warps=4, fused_pair_grads=False),
+    # the V gradient kernel before 2026-11-29
+    "grad_one_program": dict(grad_k_splits=1, grad_warps=8, fused_pair_grads=False),
     # 2 programs per chunk, 64 channels each (dP on one, dM on the other); the default at 4 warps
-    "grad_ksplit2": dict(grad_k_splits=2, grad_warps=8),
-    "grad_ksplit2_warps4": dict(grad_k_splits=2, grad_warps=4),
-    "grad_ksplit2_bv64": dict(grad_k_splits=2, grad_block_v=64),
-    "grad_ksplit2_bv64_warps4": dict(grad_k_splits=2, grad_block_v=64, grad_warps=4),
-    "grad_bv64_warps4": dict(grad_block_v=64, grad_warps=4),
+    "grad_ksplit2": dict(grad_k_splits=2, grad_warps=8, fused_pair_grads=False),
+    "grad_ksplit2_warps4": dict(grad_k_splits=2, grad_warps=4, fused_pair_grads=False),
+    "grad_ksplit2_bv64": dict(grad_k_splits=2, grad_block_v=64, fused_pair_grads=False),
+    "grad_ksplit2_bv64_warps4": dict(grad_k_splits=2, grad_block_v=64, grad_warps=4, fused_pair_grads=False),
+    "grad_bv64_warps4": dict(grad_block_v=64, grad_warps=4, fused_pair_grads=False),
+    # The pair terms in the V gradient kernel's epilogue (`Config.fused_pair_grads`, the 16-bit default; these inputs'
+    # chunks all take one reference), `pair_block_k` channels per program (32 by default), each forming both squares;
+    # "two_grad_kernels" is the V and the pair kernel as before 2026-11-29 (and as calls with longer spans run them);
+    # other channel blocks: "pair_bk*" below.
+    "two_grad_kernels": dict(fused_pair_grads=False),
+    "fused_bk64_warps8": dict(pair_block_k=64, grad_warps=8),
+    "fused_warps8": dict(grad_warps=8),
+    "fused_warps2": dict(grad_warps=2),
+    "fused_bk128_warps8": dict(pair_block_k=128, grad_warps=8),
+    "fused_bv16": dict(grad_block_v=16),
+    "fused_bv64": dict(grad_block_v=64),
+    "fused_bk16_warps2": dict(pair_block_k=16, grad_warps=2),
+    # the pair kernel's channel blocks (with `fused_pair_grads` also the fused kernel's)
     "pair_bk16": dict(pair_block_k=16),
     "pair_bk64": dict(pair_block_k=64),
     "pair_bk128": dict(pair_block_k=128),
@@ -183,7 +198,8 @@ def variant_errors(name):
 def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
     """ms of: the gates' cumsum (with the forward's operands for cumsum="with_operands"), prepare (with R), the
     operand kernel (0 when inline; the backward runs it in any case), forward pass, forward pass + states, reverse
-    pass, the V and the pair gradient kernels."""
+    pass, the V and the pair gradient kernels (where `fused_pair_grads` applies: the fused kernel, as these inputs'
+    chunks all take one reference, and 0)."""
     it = FLAGS.iters
     doc = jnp.zeros((B, T), jnp.int32)
     ones = jnp.ones((B, T), jnp.float32)
@@ -205,20 +221,26 @@ def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
     rev = jax.jit(lambda src, b, t, p, do, df: kda._reverse_pass(cfg, src, b, t, p, do, df))
     dh0, dends, dx_pair = rev(back_src, beta, t, p, o, final)
     log('rev' + ' ran')
-    grads_v = jax.jit(lambda *a: kda._grads_v(cfg, *a))
     saved = u_pair + dx_pair if cfg.grads_from_passes else (t, p)
     gargs = (back_src, q, k, v, beta, g, glo, doc, ones, ones, saved, r, starts, dends, o)
-    dv, dq, dk, dg, de, dbeta, squares = grads_v(*gargs)
-    grads_pairs = jax.jit(lambda *a: kda._grads_pairs(cfg, *a))
-    pargs = (q, k, g, glo, beta, squares, dq, dk, dg, de)
+    fused_applies = cfg.fused_pair_grads and cfg.span_limit is not None and cfg.call_span_check
+    if fused_applies:
+        assert bool(jax.jit(lambda g, glo: kda._when_all_bounded(cfg, g, glo, lambda c: jnp.asarray(c.all_bounded)))(
+            g, glo)), "the fused kernel's timing needs inputs whose chunks all take one reference"
+        fused = jax.jit(lambda *a: kda._grads_fused(dataclasses.replace(cfg, all_bounded=True), *a))
+        grad_times = [median_ms(fused, *gargs, iters=it), 0.0]
+    else:
+        grads_v = jax.jit(lambda *a: kda._grads_v(cfg, *a))
+        dv, dq, dk, dg, de, dbeta, squares = grads_v(*gargs)
+        grads_pairs = jax.jit(lambda *a: kda._grads_pairs(cfg, *a))
+        pargs = (q, k, g, glo, beta, squares, dq, dk, dg, de)
+        grad_times = [median_ms(grads_v, *gargs, iters=it), median_ms(grads_pairs, *pargs, iters=it)]
     return [median_ms(cum, q, k, log_decay, iters=it),
             median_ms(prep, q, k, g, glo, beta, iters=it),
             median_ms(source, q, k, g, glo, iters=it) if cfg.operands == "stored" else 0.0,
             median_ms(fwd0, src, v, beta, t, p, iters=it),
             median_ms(fwd1, src, v, beta, t, p, iters=it),
-            median_ms(rev, back_src, beta, t, p, o, final, iters=it),
-            median_ms(grads_v, *gargs, iters=it),
-            median_ms(grads_pairs, *pargs, iters=it)]
+            median_ms(rev, back_src, beta, t, p, o, final, iters=it)] + grad_times
 
 
 def main(argv):

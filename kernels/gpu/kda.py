@@ -65,6 +65,10 @@ the index maps, never a repeated copy):
   output is per channel, so channel blocks are independent programs (dbeta's share through R, which needs all
   channels, is summed in the V kernel from R saved by prepare). It also turns dG and dE into d(log_decay) (the
   in-chunk sums: reverse for G, exclusive forward for E, whose gates are those after s).
+- With `Config.fused_pair_grads` (the 16-bit default), a call whose chunks all span at most `SPAN_LIMIT` runs one
+  kernel instead of the last two: `_grad_v_kernel` over grid (K/BK, chunks, B*Hv) forms both dP and dM in every
+  program and adds the pair terms of its BK channels (`_one_reference_pair_terms`), writing dq, dk and
+  d(log_decay); the partials and the squares never go through memory.
 
 In XLA around them: padding (T to a multiple of C, K and V to powers of two >= 16), the document flags and, when
 value heads share a key head, the sum of dq/dk over them. (The cumsums of d(log_decay) and dtype casts in XLA took
@@ -200,6 +204,12 @@ class Config:
     # Programs per chunk of the V gradient kernel, each over K / grad_k_splits channels (1 or 2; 2 needs
     # `grads_from_passes`): half the C x K accumulators per program, dP formed on one and dM on the other.
     grad_k_splits: int = 1
+    # The pair terms formed in the V gradient kernel's epilogue (`_grads_fused`) when every chunk of the call spans at
+    # most `span_limit` (one reference per chunk): one program per chunk and `pair_block_k` channels forms both dP
+    # and dM and writes dq, dk and d(log_decay) of its channels, so no partials or squares go through memory. Calls
+    # with a longer span, or without the call's span check (`span_limit` None, `call_span_check` False), run the two
+    # kernels.
+    fused_pair_grads: bool = False
     grid_order: str = "chunks"  # launch order of the chunk-parallel kernels (`common.GRID_ORDERS`)
     cumsum: str = "xla"  # CUMSUM_METHODS
     partner_rows: str = "loaded"  # PARTNER_ROWS: how prepare's partner loop gets the partner tokens' rows
@@ -227,7 +237,7 @@ class Config:
     mosaic_shared_head: bool = False  # one CTA per value head (`mosaic_kda._body_shared_head`; V blocks of 64)
     # The reverse pass's kernel (PASS_BACKENDS): "mosaic" (`mosaic_kda.reverse_pass`, V blocks of `mosaic_block_v`)
     # needs the Mosaic forward pass (T and P as pairs) and the backward's stored operands with plain bf16 state
-    # products. Not yet timed on the H100, so not a default.
+    # products. The default of `mosaic_config` (timed on an H200, 2026-11-29; `MOSAIC_PASS_MIN_BATCH_HEADS`).
     reverse_backend: str = "triton"
 
 
@@ -1141,7 +1151,7 @@ def _reverse_pass(cfg, src, beta, t, p, do, dfinal):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _grad_v_kernel(*refs, cfg: Config):
+def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
     """The V-contractions of one chunk (a loop over V blocks): dv, dbeta, and the state/boundary terms of dq, dk,
     dG with dE; dP (scaled, masked s <= t) and dL/d(diag(beta) R) (masked s < t) for the pair kernel.
 
@@ -1152,21 +1162,31 @@ def _grad_v_kernel(*refs, cfg: Config):
     With `Config.grad_k_splits` = 2 the program sees half of the channels (its blocks of the K-indexed refs) and
     its role is `pl.program_id(0)`: every C x K term is per channel, dbeta's sum over channels is split (the value
     counted by role 0) and summed in XLA, and the C x C squares, which need no channel, are shared out: role 0
-    forms dP and writes dv, role 1 forms dM (one C x C accumulator each)."""
+    forms dP and writes dv, role 1 forms dM (one C x C accumulator each).
+
+    Fused (`Config.fused_pair_grads` in a call whose chunks all span at most `span_limit`): every program forms
+    both squares and adds the pair terms of its channels itself (`_one_reference_pair_terms`), writing dq, dk and
+    d(log_decay) instead of partials and squares; the value, dv and dbeta's share through R are counted by the
+    first channel block."""
     n = _n_source(cfg, "backward") if cfg.operands == "stored" else 0
     n_saved = 4 if cfg.grads_from_passes else 2  # (u hi, u lo, dx hi, dx lo) or (T, P)
     src, refs = refs[:n], refs[n:]
     q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, doc_ref, carry_ref, tail_ref = refs[:9]
     saved_refs = refs[9:9 + n_saved]
-    (r_ref, s0_ref, dend_ref, do_ref, dv_ref, dq_ref, dk_ref, dg_ref, de_ref, dbeta_ref, dp_ref, dm_ref, dpt_ref,
-     dmt_ref) = refs[9 + n_saved:]
+    r_ref, s0_ref, dend_ref, do_ref, *out_refs = refs[9 + n_saved:]
+    fused = cfg.fused_pair_grads and cfg.all_bounded
+    if fused:
+        dv_ref, dq_ref, dk_ref, dlog_ref, dbeta_ref = out_refs
+    else:
+        dv_ref, dq_ref, dk_ref, dg_ref, de_ref, dbeta_ref, dp_ref, dm_ref, dpt_ref, dmt_ref = out_refs
     C, mode = cfg.chunk_size, cfg.dots
     K, V = k_ref.shape[-1], v_ref.shape[-1]
     BV = min(cfg.grad_block_v, V)
     geo = _geometry(C)
     beta = beta_ref[...]
-    split_k = cfg.grad_k_splits > 1
+    split_k = channel_blocks > 1
     role = pl.program_id(0) if split_k else None
+    shared_squares = split_k and not fused  # dP on role 0, dM on role 1
     boundary = lambda: _boundary(geo, g_ref[...], glo_ref[...], carry_ref[...], tail_ref[...])
     if not src:
         bound = boundary()
@@ -1212,7 +1232,7 @@ def _grad_v_kernel(*refs, cfg: Config):
         dqa = dqa + _dot(do, s0, tb=True, mode=late)  # / scale
         dka = dka - _dot(beta[:, None] * dx, s0, tb=True, mode=late)
         dke = dke + _nt_dot(u, dend, mode=mode)
-        if split_k:
+        if shared_squares:
             # dP = dO u^T on role 0, dM = -dx u^T on role 1: the left operand as a bf16 pair either way (dO's is
             # (dO, 0), so its three products are the two of `_nt_dot(do, u)` and a zero; -dx's are dx's negated),
             # the same sums as below.
@@ -1228,7 +1248,7 @@ def _grad_v_kernel(*refs, cfg: Config):
         return dqa, dka, dke, squares, dbeta, dgamma
 
     zeros = lambda *shape: jnp.zeros(shape, F32)
-    squares = (zeros(C, C),) if split_k else (zeros(C, C), zeros(C, C))
+    squares = (zeros(C, C),) if shared_squares else (zeros(C, C), zeros(C, C))
     acc = (zeros(C, K), zeros(C, K), zeros(C, K), squares, zeros(C), zeros(K))
     dqa, dka, dke, squares, dbeta, dgamma = lax.fori_loop(0, V // BV, v_block, acc)
     if src:
@@ -1244,6 +1264,19 @@ def _grad_v_kernel(*refs, cfg: Config):
     def store(refs, x):
         refs[0][...], refs[1][...] = x, x.T  # the pair kernel loads rows of dP and dM as columns of the transposes
 
+    gamma_term = jnp.where(geo.rows == C - 1, (bound.gamma * dgamma)[None, :], 0.0)
+    if fused:
+        dp, dm = masked_dp(squares[0]), masked_dm(squares[1])
+        r_term = jnp.sum(dm * r_ref[...], axis=1)
+        dbeta_ref[...] = dbeta + (jnp.where(role == 0, r_term, 0.0) if split_k else r_term)
+        to_end, from_end = _end_reference_split(g_ref, glo_ref, slice(None))
+        dq, dk, dg = _one_reference_pair_terms(
+            cfg, q, k, to_end, from_end, beta, dp, dm, dq_in=a * dqa, dk_in=e * dke + a * dka,
+            dg_in=a * (q * dqa + k * dka) + gamma_term)
+        dq_ref[...] = dq.astype(dq_ref.dtype)
+        dk_ref[...] = dk.astype(dk_ref.dtype)
+        _write_log_decay_grad(dlog_ref, [dg], [k * dke * e])
+        return
     if split_k:
         square = jnp.where(role == 0, masked_dp(squares[0]), masked_dm(squares[0]))
         pl.when(role == 0)(lambda: store((dp_ref, dpt_ref), square))
@@ -1259,8 +1292,7 @@ def _grad_v_kernel(*refs, cfg: Config):
     # dG through A = carry exp(G) and gamma = carry_C exp(G_C) (at the last token). E's share goes out separately
     # (`de`): its gates are those after s, an exclusive cumsum done in XLA; routing it through dG (-x at s, +x at
     # C) would cancel in the reverse cumsum and leave O(eps x) where d(log_decay) ~ exp(-20).
-    dg_ref[...] = (a * (q * dqa + k * dka)
-                   + jnp.where(geo.rows == C - 1, (bound.gamma * dgamma)[None, :], 0.0))
+    dg_ref[...] = a * (q * dqa + k * dka) + gamma_term
     de_ref[...] = k * dke * e
 
 
@@ -1331,14 +1363,13 @@ def _zero_one_dot(m, x):
     return _dot(m, x1) + _dot(m, x2) + _dot(m, x3)
 
 
-def _write_log_decay_grad(dlog_ref, dgs, de_ref):
+def _write_log_decay_grad(dlog_ref, dgs, des):
     """d(log_decay)_r = sum_{t >= r} dG_t + sum_{s < r} dE_s over the chunk's tokens: G_t sums the log-decays
-    r <= t of its chunk, E_s = exp(G_C - G_s) those after s. `dgs`: dG in row blocks of equal height (one block
-    for the whole chunk, or its sub-chunks). Inside a block, products with 0/1 triangles (`_zero_one_dot`);
-    across blocks, column sums. Every term enters once with its own value (dE never passes through dG, see
-    `_grad_v_kernel`)."""
+    r <= t of its chunk, E_s = exp(G_C - G_s) those after s. `dgs`, `des`: dG and dE in row blocks of equal height
+    (one block for the whole chunk, or its sub-chunks). Inside a block, products with 0/1 triangles
+    (`_zero_one_dot`); across blocks, column sums. Every term enters once with its own value (dE never passes
+    through dG, see `_grad_v_kernel`)."""
     n = dgs[0].shape[0]
-    des = [de_ref[pl.ds(i * n, n), :] for i in range(len(dgs))]
     column_sum = lambda x: jnp.sum(x, axis=0)[None, :]
     later = [None] * len(dgs)  # sum of dG over the blocks after block i
     acc = jnp.zeros_like(column_sum(dgs[0]))
@@ -1352,26 +1383,34 @@ def _write_log_decay_grad(dlog_ref, dgs, de_ref):
         earlier = earlier + column_sum(de)
 
 
-def _pair_grads_one_reference(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dpt_ref, dmt_ref, dq_in_ref,
-                              dk_in_ref, dg_in_ref, de_ref, dq_ref, dk_ref, dlog_ref, *, cfg):
-    """The pair terms of a chunk of bounded span (SPAN_LIMIT): the products of the sub-chunk scheme's blocks i > j
-    over the whole chunk, split at the last token's gate."""
-    del dpt_ref, dmt_ref
+def _one_reference_pair_terms(cfg, q, k, to_end, from_end, beta, dp, dm, *, dq_in, dk_in, dg_in):
+    """(dq, dk, dG) of one chunk of bounded span (SPAN_LIMIT) and a block of channels, fp32: the V contractions'
+    partials plus the pair terms, the products of the sub-chunk scheme's blocks i > j over the whole chunk, split
+    at the last token's gate (`to_end`, `from_end`: `_end_reference_split`). dP, dM as the V kernel masks them."""
     C, mode = cfg.chunk_size, cfg.dots
-    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
-    to_end, from_end = _end_reference_split(g_ref, glo_ref, slice(None))
     diagonal = _iota(C, C, 0) == _iota(C, C, 1)
-    dp = dp_ref[...]
     dp_self = jnp.sum(jnp.where(diagonal, dp, 0.0), axis=1)[:, None]
     dp = jnp.where(diagonal, 0.0, dp)  # the pairs s < t; s = t stays out of dG, as in the sub-chunk scheme
-    dr = beta_ref[...][:, None] * dm_ref[...]
+    dr = beta[:, None] * dm
     k_from = k * from_end
     left_p = to_end * _dot(dp, k_from, mode=mode)
     left_r = to_end * _dot(dr, k_from, mode=mode)
     right = from_end * (_dot(dp, q * to_end, ta=True, mode=mode) + _dot(dr, k * to_end, ta=True, mode=mode))
-    dq_ref[...] = (dq_in_ref[...] + left_p + dp_self * k).astype(dq_ref.dtype)
-    dk_ref[...] = (dk_in_ref[...] + left_r + dp_self * q + right).astype(dk_ref.dtype)
-    _write_log_decay_grad(dlog_ref, [dg_in_ref[...] + q * left_p + k * left_r - k * right], de_ref)
+    return (dq_in + left_p + dp_self * k, dk_in + left_r + dp_self * q + right,
+            dg_in + q * left_p + k * left_r - k * right)
+
+
+def _pair_grads_one_reference(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dpt_ref, dmt_ref, dq_in_ref,
+                              dk_in_ref, dg_in_ref, de_ref, dq_ref, dk_ref, dlog_ref, *, cfg):
+    """The pair terms of a chunk of bounded span (`_one_reference_pair_terms`)."""
+    del dpt_ref, dmt_ref
+    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+    to_end, from_end = _end_reference_split(g_ref, glo_ref, slice(None))
+    dq, dk, dg = _one_reference_pair_terms(cfg, q, k, to_end, from_end, beta_ref[...], dp_ref[...], dm_ref[...],
+                                           dq_in=dq_in_ref[...], dk_in=dk_in_ref[...], dg_in=dg_in_ref[...])
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    _write_log_decay_grad(dlog_ref, [dg], [de_ref[...]])
 
 
 def _pair_grads_sub_chunks(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dpt_ref, dmt_ref, dq_in_ref,
@@ -1431,7 +1470,24 @@ def _pair_grads_sub_chunks(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_re
         dg_rest.append(dg_in_ref[_blk(i), :] + q_i * left_p + k_i * left_r)
     for i in range(nb):
         dk_ref[_blk(i), :] = (dk_rest[i] + right[i]).astype(dk_ref.dtype)
-    _write_log_decay_grad(dlog_ref, [dg_rest[i] - row_block(k_ref, i) * right[i] for i in range(nb)], de_ref)
+    _write_log_decay_grad(dlog_ref, [dg_rest[i] - row_block(k_ref, i) * right[i] for i in range(nb)],
+                          [de_ref[_blk(i), :] for i in range(nb)])
+
+
+def _grad_channel_blocks(cfg, K):
+    """Programs per chunk over the channels in the V gradient kernel: K / `pair_block_k` in the fused kernel (each
+    forms both squares), else `grad_k_splits` (1, or 2 with the roles dP and dM)."""
+    if cfg.fused_pair_grads and cfg.all_bounded:
+        BK = min(cfg.pair_block_k, K)
+        if BK < 16 or BK & (BK - 1):
+            raise ValueError(f"config.pair_block_k must be a power of two >= 16 (the fused gradient kernel's channel "
+                             f"blocks), got {cfg.pair_block_k}")
+        return K // BK
+    KS = cfg.grad_k_splits
+    if KS not in (1, 2) or K // KS < 16:
+        raise ValueError(f"config.grad_k_splits must be 1 or 2 (the roles dP and dM) with K / grad_k_splits >= 16, got "
+                         f"{KS} with K = {K}")
+    return KS
 
 
 def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do):
@@ -1442,16 +1498,17 @@ def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts
     `saved`: (T, P), or with `Config.grads_from_passes` the pairs of u and dx (u hi, u lo, dx hi, dx lo)."""
     B, Tp, _, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
-    C, S, KS = cfg.chunk_size, cfg.grad_v_splits, cfg.grad_k_splits
+    C, S = cfg.chunk_size, cfg.grad_v_splits
     G = cfg.value_heads // cfg.key_heads
     if S < 1 or V % S or V // S < 16 or (V // S) & (V // S - 1):
         raise ValueError(f"config.grad_v_splits must divide V = {V} into power-of-two blocks >= 16, got {S}")
-    if KS not in (1, 2):
-        raise ValueError(f"config.grad_k_splits must be 1 or 2 (the roles dP and dM), got {KS}")
-    if KS > 1 and (S > 1 or not cfg.grads_from_passes or K // KS < 16):
-        raise ValueError("config.grad_k_splits=2 needs grad_v_splits=1, grads_from_passes (y's full sum over the "
-                         f"channels is not formed) and K >= 32; got grad_v_splits={S}, "
-                         f"grads_from_passes={cfg.grads_from_passes}, K={K}")
+    fused = cfg.fused_pair_grads and cfg.all_bounded
+    KS = _grad_channel_blocks(cfg, K)
+    knob = "pair_block_k (with fused_pair_grads)" if fused else "grad_k_splits"
+    if KS > 1 and (S > 1 or not cfg.grads_from_passes):
+        raise ValueError(f"config.{knob}: {KS} channel blocks need grad_v_splits=1 and grads_from_passes (y's full "
+                         f"sum over the channels is not formed); got grad_v_splits={S}, "
+                         f"grads_from_passes={cfg.grads_from_passes}")
     VS, BK, nt = V // S, K // KS, Tp // C
     # the grid's first axis p is a V share (S > 1) or a channel block (KS > 1)
     vs = (lambda p: p) if S > 1 else (lambda p: 0)
@@ -1472,22 +1529,35 @@ def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts
     src = src if cfg.operands == "stored" else ()
     src_specs = [channel] * (len(src) - 1) + [gamma] if src else []
     n_square = 4  # dP, dM, dP^T, dM^T
-    dv, dq, dk, dg, de, dbeta, *squares = _chunk_parallel_call(
-        functools.partial(_grad_v_kernel, cfg=cfg),
+    dbeta_shares = jax.ShapeDtypeStruct((S * KS, B, Tp, Hv), F32)
+    if fused:  # dq, dk (as `_grads_pairs` writes them), d(log_decay), dbeta's shares
+        channel_grad = jax.ShapeDtypeStruct((B, Tp, Hv, K), q.dtype if G == 1 else F32)
+        out_specs = [value] + [channel] * 3 + [gate_share]
+        out_shape = [jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), channel_grad, channel_grad,
+                     jax.ShapeDtypeStruct((B, Tp, Hv, K), F32), dbeta_shares]
+    else:
+        out_specs = [value] + [per_channel_share] * 4 + [gate_share] + [square_share] * n_square
+        out_shape = [jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), per_channel, per_channel, per_channel,
+                     per_channel, dbeta_shares] + [square] * n_square
+    outs = _chunk_parallel_call(
+        functools.partial(_grad_v_kernel, cfg=cfg, channel_blocks=KS),
         grid=(S * KS, nt, B * Hv),
         grid_order=cfg.grid_order,
         in_specs=src_specs + [
             key, key, value, lift(sp["gate"]), channel, channel, lift(sp["seq"]), lift(sp["seq"]),
             lift(sp["seq"])] + ([value] * 4 if cfg.grads_from_passes else [lift(sp["square"])] * 2) + [
             lift(sp["square"]), state, state, value],
-        out_specs=[value] + [per_channel_share] * 4 + [gate_share] + [square_share] * n_square,
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), per_channel, per_channel, per_channel,
-                   per_channel, jax.ShapeDtypeStruct((S * KS, B, Tp, Hv), F32)] + [square] * n_square,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_params(cfg.grad_warps, cfg.stages),
         interpret=cfg.interpret,
-        name="kda_grads_v",
+        name="kda_grads_fused" if fused else "kda_grads_v",
     )(*src, q, k, v, beta, g, glo, doc, carry, tail, *saved, r, starts, dends, do)
     total = lambda x: x[0] if x.shape[0] == 1 else jnp.sum(x, axis=0)
+    if fused:
+        dv, dq, dk, dlog_decay, dbeta = outs
+        return dv, dq, dk, total(dbeta), dlog_decay
+    dv, dq, dk, dg, de, dbeta, *squares = outs
     return (dv,) + tuple(total(x) for x in (dq, dk, dg, de, dbeta)) + (tuple(total(x) for x in squares),)
 
 
@@ -1515,11 +1585,35 @@ def _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg, de):
     )(q, k, g, glo, beta, *squares, dq, dk, dg, de)))
 
 
-def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do):
+def _grads_fused(cfg, *args):
+    """(dq, dk, dv, dbeta, d(log_decay)) from the fused gradient kernel (`Config.fused_pair_grads`; `cfg` with
+    `all_bounded`, the caller's check)."""
+    dv, dq, dk, dbeta, dlog_decay = _grads_v(cfg, *args)
+    return dq, dk, dv, dbeta, dlog_decay
+
+
+def _grads_two_kernels(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do):
     dv, dq, dk, dg, de, dbeta, squares = _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r,
                                                   starts, dends, do)
     dq, dk, dlog_decay = _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg, de)
     return dq, dk, dv, dbeta, dlog_decay
+
+
+def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do):
+    """(dq, dk, dv, dbeta, d(log_decay)): the V and the pair gradient kernels, or with `Config.fused_pair_grads` the
+    fused kernel when every chunk spans at most the limit (a `lax.cond` on the call's check), the two kernels
+    otherwise."""
+    args = (src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do)
+    if not cfg.fused_pair_grads or cfg.span_limit is None or not cfg.call_span_check:
+        return _grads_two_kernels(dataclasses.replace(cfg, fused_pair_grads=False), *args)
+
+    def call(cfg):
+        if cfg.all_bounded:
+            return _grads_fused(cfg, *args)
+        # chunks of a longer span need the sub-chunk scheme: the two kernels, the pair kernel switching per program
+        return _grads_two_kernels(dataclasses.replace(cfg, fused_pair_grads=False, call_span_check=False), *args)
+
+    return _when_all_bounded(cfg, g, glo, call)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1692,6 +1786,11 @@ GRAD_BLOCK_V = 32
 # H200, 8x2048x16x128 bf16, `bench_kda_gpu.py` host-timed in one call (2026-11-29 07:16-07:21): the kernel 1.755-1.762
 # ms as one program at 8 warps, 1.445 as two at 4 warps (2.126 at 8 warps; 1.907 / 1.778 with V blocks of 64).
 GRAD_K_SPLITS = 2
+# With "split" products the pair terms are formed in the V gradient kernel where every chunk of a call spans at most
+# SPAN_LIMIT (`Config.fused_pair_grads`), one program per chunk and 32 channels (`pair_block_k`) at 4 warps. H200,
+# 8x2048x16x128 bf16, `bench_kda_gpu.py` host-timed (2026-11-29 10:42-10:55): 2.25-2.40 ms against 3.19-3.57 for the
+# two kernels (V 1.54-1.62, pairs 1.61-1.95); at 64 channels per program 4.44 ms (8 warps 4.06), 16 channels 3.28.
+# By `bench_rules.py` (device time) forward+backward 4.02 -> 3.79 ms ("mosaic"; docs/kernels.md).
 # Software-pipeline depth of the passes where a V block of 16 or 32 gives them at most one program per SM, for
 # bfloat16 inputs, K <= 128 and C <= 64 (four stored bf16 operand tiles of C x K per chunk, which two stages fit in
 # shared memory, leaving room for no second program); elsewhere 1 (at BV 64 two stages asked for 295 KB). H100,
@@ -1706,7 +1805,8 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
     """fp32 inputs get IEEE fp32 products everywhere; 16-bit inputs the bf16x3 "split" products, except, for
     bfloat16 inputs, plain bf16 operands in the products that tolerate them (`TOLERANT_DOT_MODES`) and bf16 saved
     states (`STATE_STORAGES`); with "split" products the passes save u and dx for the V gradient kernel
-    (`Config.grads_from_passes`: its spills at 255 registers had made it the largest kernel). H100, 8x2048x16x128
+    (`Config.grads_from_passes`: its spills at 255 registers had made it the largest kernel), which then also forms
+    the pair terms where the call's chunks allow it (`Config.fused_pair_grads`, GRAD_K_SPLITS). H100, 8x2048x16x128
     bf16, 2026-11-27: forward+backward 5.47 -> 5.09 ms (bf16 states) -> 4.58 (both). The output's state product
     stays "split" (`Config.output_dots`; plain bf16 there took decoding's o over the 3e-3 bound): forward 1.13 ->
     1.46 ms, forward+backward 4.58 -> 4.90 ms.
@@ -1740,7 +1840,8 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   grad_warps=4 if grad_k_splits > 1 else 8, pair_warps=4, stages=2, interpret=interpret,
                   operands="stored", pass_stages=pass_stages, block_k=32, pair_block_k=32, reverse_warps=4,
                   cumsum="with_operands", span_limit=SPAN_LIMIT, state_storage="bf16" if bf16 else "fp32",
-                  grads_from_passes=dots == "split", grad_k_splits=grad_k_splits)
+                  grads_from_passes=dots == "split", grad_k_splits=grad_k_splits,
+                  fused_pair_grads=dots == "split")
 
 
 # The Mosaic GPU forward pass (`Config.pass_backend="mosaic"`, Hopper) from this many batch x value-head pairs per

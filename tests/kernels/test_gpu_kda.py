@@ -572,7 +572,7 @@ def test_gradients_from_the_passes_equal_recomputed_in_interpreter(forward, dtyp
     results = {}
     for from_passes in (True, False):
         fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(
-            cfg, forward=forward, grads_from_passes=from_passes,
+            cfg, forward=forward, grads_from_passes=from_passes, fused_pair_grads=from_passes,
             grad_k_splits=cfg.grad_k_splits if from_passes else 1))
         _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"from_passes={from_passes}-{forward}-{dtype}")
         results[from_passes] = (_call(fn, x), _grads(fn, x))
@@ -603,6 +603,7 @@ def test_gradient_kernel_split_over_channels_equals_one_program_in_interpreter(d
     x["scale"] = 64 ** -0.5
     cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
     assert cfg.grads_from_passes and cfg.grad_k_splits == 2 and cfg.grad_warps == 4  # the 16-bit default
+    cfg = dataclasses.replace(cfg, fused_pair_grads=False)  # the two kernels, as calls with long spans run them
     results = {}
     for splits in (1, 2):
         fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, grad_k_splits=splits))
@@ -613,8 +614,47 @@ def test_gradient_kernel_split_over_channels_equals_one_program_in_interpreter(d
                       dict(grad_k_splits=2, grads_from_passes=False)):
         with pytest.raises(ValueError, match="grad_k_splits"):
             _grads(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, **overrides)), x)
-    split = dict(grad_k_splits=2)
+    split = dict(grad_k_splits=2, fused_pair_grads=False)
     assert _lower_for_cuda(128, 128, jnp.bfloat16, T=64, overrides=split) == _expected_kernels(split)
+
+
+@pytest.mark.parametrize("dtype,H,Hv,block_k", [("bfloat16", 2, 2, 32), ("float16", 1, 2, 16)])
+def test_fused_pair_gradients_equal_the_two_kernels_in_interpreter(dtype, H, Hv, block_k):
+    """`Config.fused_pair_grads` (the 16-bit default): in a call whose chunks all span at most the limit, the V
+    gradient kernel forms both dP and dM in every program (`pair_block_k` channels) and adds the pair terms of its
+    channels itself. The products are the two
+    kernels' on the same values (the partials stay in registers instead of a round trip through fp32 arrays), so
+    the gradients equal theirs up to bf16 rounding flips; both at the bf16 bounds against the scan. A -20 gate
+    sends the call to the two kernels. K = 64 in 2 or 4 blocks, V = 32, documents, an initial state; fp16 with two
+    value heads per key head. The refusal, and lowering for an abstract H100 (the fused kernel beside the
+    fallback's V kernel and one pair kernel, in place of the two lowerings of the pair kernel; none without the
+    call's span check)."""
+    x = _inputs(T=130, B=1, H=H, Hv=Hv, K=64, V=32)
+    x = dict(x, **{n: x[n].astype(dtype) for n in ("q", "k", "v")})
+    x["scale"] = 64 ** -0.5
+    fused = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
+    assert fused.fused_pair_grads and fused.pair_block_k == 32
+    fused = dataclasses.replace(fused, pair_block_k=block_k)
+    cfg = dataclasses.replace(fused, fused_pair_grads=False)
+    Tp = 192
+    all_bounded = lambda log_decay: bool(jax.jit(lambda g, glo: kda_module._when_all_bounded(
+        cfg, g, glo, lambda c: jnp.asarray(c.all_bounded)))(*kda_module._cumulative(
+            dataclasses.replace(cfg, cumsum="kernel"), jnp.pad(log_decay, ((0, 0), (0, Tp - 130), (0, 0), (0, 0))))))
+    strong = dict(x, log_decay=x["log_decay"].at[:, 70:74].set(-20.0))
+    for case, inputs, bounded in (("bounded", x, True), ("-20 gates", strong, False)):
+        assert all_bounded(inputs["log_decay"]) == bounded
+        results = {}
+        for name, config in (("two kernels", cfg), ("fused", fused)):
+            fn = lambda *a, config=config, **kw: kda_chunk(*a, **kw, config=config)
+            _check(inputs, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"{name}-{case}-{dtype}-{block_k}")
+            results[name] = _grads(fn, inputs)
+        _assert_equal_up_to_16_bit_rounding(results["two kernels"], results["fused"])
+    with pytest.raises(ValueError, match="pair_block_k"):
+        _grads(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(fused, pair_block_k=8)), x)
+    lower = lambda **overrides: _lower_for_cuda(128, 128, jnp.bfloat16, T=64, overrides=dict(pair_block_k=block_k,
+                                                **overrides), kernel_names=("kda_grads_fused",))
+    assert lower() == _expected_kernels() + (True,)
+    assert lower(span_limit=None) == _expected_kernels(dict(span_limit=None)) + (False,)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -734,8 +774,9 @@ H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
                                                    platform="gpu"))
 
 
-def _lower_for_cuda(K, V, dtype, *, T=130, segmented=True, init=True, overrides=None):
-    """(Triton calls in the forward, in the forward + gradients)."""
+def _lower_for_cuda(K, V, dtype, *, T=130, segmented=True, init=True, overrides=None, kernel_names=()):
+    """(Triton calls in the forward, in the forward + gradients), then for each of `kernel_names` whether a kernel
+    of that name is among the latter."""
     B, H, Hv = 1, 2, 4
     q = jax.ShapeDtypeStruct((B, T, H, K), dtype)
     v = jax.ShapeDtypeStruct((B, T, Hv, V), dtype)
@@ -759,7 +800,7 @@ def _lower_for_cuda(K, V, dtype, *, T=130, segmented=True, init=True, overrides=
         with jax.sharding.use_abstract_mesh(H100):
             text = fn.trace(q, q, v, beta, log_decay, h0, ids).lower(lowering_platforms=("cuda",)).as_text()
         counts.append(text.count("__gpu$xla.gpu.triton"))
-    return tuple(counts)
+    return tuple(counts) + tuple(name in text for name in kernel_names)
 
 
 def _expected_kernels(overrides=None):
@@ -832,7 +873,7 @@ CONFIG_VARIANTS = {
     "inline": dict(INLINE, pass_stages=2),
     "inline_split": dict(INLINE, forward="split"),
     "channel_blocks": dict(block_k=16, pair_block_k=64, pair_warps=8, reverse_warps=8, grad_warps=4),
-    "grad_v_splits": dict(grad_v_splits=2, grad_k_splits=1),
+    "grad_v_splits": dict(grad_v_splits=2, grad_k_splits=1, fused_pair_grads=False),
     "whole_channels": dict(block_k=128, pair_block_k=128),
     "cumsum_xla": dict(cumsum="xla"),
     "cumsum_kernel": dict(cumsum="kernel"),
@@ -841,8 +882,9 @@ CONFIG_VARIANTS = {
     "all_split": ALL_SPLIT,
     "states_fp32": dict(state_storage="fp32"),
     "output_bf16": dict(output_dots="bf16"),
-    "recomputed_u_dx": dict(grads_from_passes=False, grad_k_splits=1),
-    "split_forward_recomputed_u_dx": dict(forward="split", grads_from_passes=False, grad_k_splits=1),
+    "recomputed_u_dx": dict(grads_from_passes=False, grad_k_splits=1, fused_pair_grads=False),
+    "split_forward_recomputed_u_dx": dict(forward="split", grads_from_passes=False, grad_k_splits=1,
+                                          fused_pair_grads=False),
     "sub_chunks_only": dict(span_limit=None),
     "per_program_check": dict(call_span_check=False),
 }

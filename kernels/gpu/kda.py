@@ -1174,7 +1174,7 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
     q_ref, k_ref, v_ref, beta_ref, g_ref, glo_ref, doc_ref, carry_ref, tail_ref = refs[:9]
     saved_refs = refs[9:9 + n_saved]
     r_ref, s0_ref, dend_ref, do_ref, *out_refs = refs[9 + n_saved:]
-    fused = cfg.fused_pair_grads and cfg.all_bounded
+    fused = _fuses_pair_grads(cfg)
     if fused:
         dv_ref, dq_ref, dk_ref, dlog_ref, dbeta_ref = out_refs
     else:
@@ -1474,10 +1474,16 @@ def _pair_grads_sub_chunks(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_re
                           [de_ref[_blk(i), :] for i in range(nb)])
 
 
+def _fuses_pair_grads(cfg):
+    """Whether the V gradient kernel forms the pair terms: `Config.fused_pair_grads` in a call whose chunks all span
+    at most the limit (`_when_all_bounded`)."""
+    return cfg.fused_pair_grads and cfg.all_bounded
+
+
 def _grad_channel_blocks(cfg, K):
     """Programs per chunk over the channels in the V gradient kernel: K / `pair_block_k` in the fused kernel (each
     forms both squares), else `grad_k_splits` (1, or 2 with the roles dP and dM)."""
-    if cfg.fused_pair_grads and cfg.all_bounded:
+    if _fuses_pair_grads(cfg):
         BK = min(cfg.pair_block_k, K)
         if BK < 16 or BK & (BK - 1):
             raise ValueError(f"config.pair_block_k must be a power of two >= 16 (the fused gradient kernel's channel "
@@ -1502,7 +1508,7 @@ def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts
     G = cfg.value_heads // cfg.key_heads
     if S < 1 or V % S or V // S < 16 or (V // S) & (V // S - 1):
         raise ValueError(f"config.grad_v_splits must divide V = {V} into power-of-two blocks >= 16, got {S}")
-    fused = cfg.fused_pair_grads and cfg.all_bounded
+    fused = _fuses_pair_grads(cfg)
     KS = _grad_channel_blocks(cfg, K)
     knob = "pair_block_k (with fused_pair_grads)" if fused else "grad_k_splits"
     if KS > 1 and (S > 1 or not cfg.grads_from_passes):
@@ -1604,11 +1610,11 @@ def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, 
     fused kernel when every chunk spans at most the limit (a `lax.cond` on the call's check), the two kernels
     otherwise."""
     args = (src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do)
-    if not cfg.fused_pair_grads or cfg.span_limit is None or not cfg.call_span_check:
-        return _grads_two_kernels(dataclasses.replace(cfg, fused_pair_grads=False), *args)
+    if not cfg.fused_pair_grads:
+        return _grads_two_kernels(cfg, *args)
 
-    def call(cfg):
-        if cfg.all_bounded:
+    def call(cfg):  # without the call's span check (`_when_all_bounded`) cfg is never all_bounded: two kernels
+        if _fuses_pair_grads(cfg):
             return _grads_fused(cfg, *args)
         # chunks of a longer span need the sub-chunk scheme: the two kernels, the pair kernel switching per program
         return _grads_two_kernels(dataclasses.replace(cfg, fused_pair_grads=False, call_span_check=False), *args)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import secrets
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+from deltajax.rules import chunk
 
 
 def relative_error(x, ref):
@@ -16,6 +20,21 @@ def relative_error(x, ref):
     if not np.all(np.isfinite(x)):
         return np.inf
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def chunk_form_bounds(run_chunk_form, o_ref, s_ref, floor):
+    """(outputs, state) bounds for a chunked form on ill-conditioned inputs: `floor`, or twice the largest error
+    against (o_ref, s_ref) of the XLA chunk form over C = 32, 64, 128 and both of its exact inverses
+    (`run_chunk_form(chunk_size)` -> (o, final state), traced under each `chunk.INVERSE_METHOD`). One chunk form
+    alone is one draw of the rounding a chunked algorithm meets there; the largest of the six is what fp32 allows."""
+    out_error = state_error = 0.0
+    for inverse, chunk_size in itertools.product(("solve", "blocked"), (32, 64, 128)):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(chunk, "INVERSE_METHOD", inverse)  # read when the chunk form is traced
+            o, s = run_chunk_form(chunk_size)
+        out_error = max(out_error, relative_error(o, o_ref))
+        state_error = max(state_error, relative_error(s, s_ref))
+    return max(floor, 2.0 * out_error), max(floor, 2.0 * state_error)
 
 
 def fresh_key():

@@ -22,9 +22,9 @@ from deltajax.kernels import gpu as pallas_gpu
 from deltajax.kernels.gpu import kda as kda_module
 from deltajax.kernels.gpu.kda import default_config, kda_chunk
 from deltajax.kernels.gpu.wy_chunk import chunk_wy
-from deltajax.rules import chunk, dispatch
+from deltajax.rules import dispatch
 from deltajax.rules.scan import recurrent_scan
-from testing_utils import fresh_key, relative_error, rule_inputs
+from testing_utils import chunk_form_bounds, fresh_key, relative_error, rule_inputs
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
@@ -165,8 +165,9 @@ ADVERSARIAL = ("decay_minus_20", "mixed_minus_20_and_near_0", "correlated_keys_b
 
 
 def _chunked_bounds(x):
-    """(outputs, state) bounds for the correlated-keys family: 1e-5, or twice the largest error of the XLA chunk
-    form (`impl="chunk"`) against the fp32 scan on x, over C = 32, 64, 128 and both of its exact inverses.
+    """(outputs, state) bounds for the correlated-keys family (`chunk_form_bounds`): 1e-5, or twice the largest error
+    of the XLA chunk form (`impl="chunk"`) against the fp32 scan on x, over C = 32, 64, 128 and both of its exact
+    inverses.
 
     Keys 0.02 apart with beta near 2 make (I + A)^-1 large (condition numbers 6e2 to 3e3 at C = 64), and every
     chunked form sums u = T(...) terms that cancel: on these inputs the chunk forms land 1e-6 to 1.8e-5 from the scan,
@@ -178,14 +179,8 @@ def _chunked_bounds(x):
     args = (x["q"], x["k"], x["v"], x["beta"], x["log_decay"])
     kw = dict(scale=x.get("scale", 0.3), initial_state=x["initial_state"], segment_ids=x["segment_ids"])
     o_ref, s_ref = deltajax.kda(*args, impl="scan", **kw)
-    out_error = state_error = 0.0
-    for inverse, chunk_size in itertools.product(("solve", "blocked"), (32, 64, 128)):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(chunk, "INVERSE_METHOD", inverse)  # read when the chunk form is traced
-            o, s = jax.jit(lambda a: deltajax.kda(*a, impl="chunk", chunk_size=chunk_size, **kw))(args)
-        out_error = max(out_error, relative_error(o, o_ref))
-        state_error = max(state_error, relative_error(s, s_ref))
-    return max(FP32_OUT_TOL, 2.0 * out_error), max(FP32_OUT_TOL, 2.0 * state_error)
+    run = lambda chunk_size: jax.jit(lambda a: deltajax.kda(*a, impl="chunk", chunk_size=chunk_size, **kw))(args)
+    return chunk_form_bounds(run, o_ref, s_ref, FP32_OUT_TOL)
 
 
 @pytest.mark.parametrize("family", ADVERSARIAL)

@@ -22,9 +22,9 @@ import deltajax
 from deltajax.kernels import gpu as pallas_gpu
 from deltajax.kernels.gpu import wy_chunk
 from deltajax.kernels.gpu.wy_chunk import chunk_wy, default_config
-from deltajax.rules import chunk, dispatch, step_size
+from deltajax.rules import dispatch, step_size
 from deltajax.rules.scan import recurrent_scan
-from testing_utils import fresh_key, relative_error, rule_inputs
+from testing_utils import chunk_form_bounds, fresh_key, relative_error, rule_inputs
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
@@ -203,7 +203,7 @@ ADVERSARIAL = ("correlated_keys_decay_near_0", "decay_down_to_-20", "decay_-20_e
 
 @pytest.mark.parametrize("grad", list(GRAD_VARIANTS))
 @pytest.mark.parametrize("family", ADVERSARIAL)
-def test_adversarial_fp32(family, grad, monkeypatch):
+def test_adversarial_fp32(family, grad):
     """fp32 outputs and final state within 1e-5 of the scan's, or within twice the error of the XLA chunked form
     on the same inputs where that is larger. With correlated keys and beta near 2, every chunked fp32 evaluation
     tested (the XLA chunk form, the kernels at C = 64 and 32, with one step of iterative refinement of u) lands
@@ -223,12 +223,8 @@ def test_adversarial_fp32(family, grad, monkeypatch):
     ref_inputs = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
     o_ref, s_ref = _call(recurrent_scan, ref_inputs, "delta_rule")
     chunk_form = dispatch.implementations("delta_rule")["chunk"].fn
-    chunked = []
-    for inverse in ("solve", "blocked"):
-        monkeypatch.setattr(chunk, "INVERSE_METHOD", inverse)  # read when the chunk form is traced
-        chunked += [_call(chunk_form, ref_inputs, "delta_rule", chunk_size=c) for c in (32, 64, 128)]
-    out_tol = max(FP32_OUT_TOL, 2 * max(relative_error(o, o_ref) for o, _ in chunked))
-    state_tol = max(FP32_OUT_TOL, 2 * max(relative_error(s, s_ref) for _, s in chunked))
+    run = lambda chunk_size: _call(chunk_form, ref_inputs, "delta_rule", chunk_size=chunk_size)
+    out_tol, state_tol = chunk_form_bounds(run, o_ref, s_ref, FP32_OUT_TOL)
     _check(x, "delta_rule", out_tol, _fp32_grad_tol, fn=_kernel(GRAD_VARIANTS[grad]), state_tol=state_tol)
 
 

@@ -90,6 +90,10 @@ VARIANTS = {
     "mosaic_reverse": dict(pass_backend="mosaic", reverse_backend="mosaic"),  # both passes in Mosaic GPU
     "mosaic_shared_head_reverse": dict(pass_backend="mosaic", mosaic_shared_head=True, reverse_backend="mosaic"),
     "mosaic_shared_head_output_bf16": dict(pass_backend="mosaic", mosaic_shared_head=True, output_dots="bf16"),
+    # the fused gradient kernel in Mosaic GPU (`Config.grads_backend`, `mosaic_kda_grads.py`), alone and with both
+    # Mosaic passes
+    "mosaic_grads": dict(grads_backend="mosaic"),
+    "mosaic_reverse_grads": dict(pass_backend="mosaic", reverse_backend="mosaic", grads_backend="mosaic"),
     "split_forward_obv32": dict(forward="split", output_block_v=32),
     "split_forward_obv128": dict(forward="split", output_block_v=128),
     "split_forward_warps8": dict(forward="split", warps=8),

@@ -95,7 +95,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from deltajax.kernels.gpu import mosaic_kda
+from deltajax.kernels.gpu import mosaic_kda, mosaic_kda_grads
 from deltajax.kernels.gpu.common import chunk_parallel_call as _chunk_parallel_call
 from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
@@ -239,6 +239,12 @@ class Config:
     # needs the Mosaic forward pass (T and P as pairs) and the backward's stored operands with plain bf16 state
     # products. The default of `mosaic_config` (timed on an H200, 2026-11-29; `MOSAIC_PASS_MIN_BATCH_HEADS`).
     reverse_backend: str = "triton"
+    # The gradient kernel of a call whose chunks all span at most `span_limit` (PASS_BACKENDS): "triton" (the fused
+    # `_grad_v_kernel`, `fused_pair_grads`) or "mosaic" (`mosaic_kda_grads.grads`: one CTA of two warpgroups per
+    # chunk and value head, the squares formed once; bf16, K = V = 128, the passes' saved u and dx and bf16 states).
+    # Calls with a longer span take the two Triton kernels either way. Opt-in: measured slower than the Triton kernel
+    # (2.33 against 1.88 ms at 8x2048x16x128, H200, 2026-11-29; docs/kernels.md).
+    grads_backend: str = "triton"
 
 
 def _masked_exp(mask, x):
@@ -1039,9 +1045,12 @@ def _split_forward(cfg, src, v, beta, t, p, h0, *, with_states):
 
 
 def _check_mosaic_pass(cfg, with_states, knob="pass_backend"):
-    """The knobs the Mosaic passes implement (`Config.pass_backend="mosaic"`, `Config.reverse_backend="mosaic"`)."""
+    """The knobs the Mosaic kernels implement (`Config.pass_backend`, `Config.reverse_backend`,
+    `Config.grads_backend` = "mosaic")."""
     wanted = dict(forward="fused", dots="split", operands="stored", state_dots="bf16")
-    if with_states:
+    if knob == "grads_backend":
+        wanted = dict(dots="split", state_storage="bf16", grads_from_passes=True, fused_pair_grads=True)
+    elif with_states:
         wanted.update(state_storage="bf16", grads_from_passes=True)
     if knob == "reverse_backend":
         wanted.update(pass_backend="mosaic")
@@ -1593,7 +1602,11 @@ def _grads_pairs(cfg, q, k, g, glo, beta, squares, dq, dk, dg, de):
 
 def _grads_fused(cfg, *args):
     """(dq, dk, dv, dbeta, d(log_decay)) from the fused gradient kernel (`Config.fused_pair_grads`; `cfg` with
-    `all_bounded`, the caller's check)."""
+    `all_bounded`, the caller's check): the Triton one, or with `Config.grads_backend="mosaic"` the Mosaic GPU one."""
+    if cfg.grads_backend == "mosaic":
+        src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do = args
+        return mosaic_kda_grads.grads(q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do,
+                                      scale=cfg.scale, segmented=cfg.segmented, interpret=cfg.interpret)
     dv, dq, dk, dbeta, dlog_decay = _grads_v(cfg, *args)
     return dq, dk, dv, dbeta, dlog_decay
 
@@ -1610,6 +1623,12 @@ def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, 
     fused kernel when every chunk spans at most the limit (a `lax.cond` on the call's check), the two kernels
     otherwise."""
     args = (src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do)
+    if cfg.grads_backend not in PASS_BACKENDS:
+        raise ValueError(f"config.grads_backend must be one of {PASS_BACKENDS}, got {cfg.grads_backend!r}")
+    if cfg.grads_backend == "mosaic":
+        _check_mosaic_pass(cfg, True, knob="grads_backend")
+        mosaic_kda_grads.check_supported(key_dim=q.shape[3], value_dim=v.shape[3], chunk_size=cfg.chunk_size,
+                                         dtype=q.dtype)
     if not cfg.fused_pair_grads:
         return _grads_two_kernels(cfg, *args)
 

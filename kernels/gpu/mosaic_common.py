@@ -8,8 +8,11 @@ lo = bf16(x - hi), and a product of two such operands is hi*hi + hi*lo + lo*hi (
 
 from __future__ import annotations
 
+import itertools
+
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 F32 = jnp.float32
@@ -106,3 +109,21 @@ def pair_decay(g_hi, g_lo, g_hi_c, g_lo_c, causal, c, *, transposed=False):
     if transposed:
         diff = -diff
     return wgmma_layout(jnp.exp(jnp.where(causal, diff, -jnp.inf)))
+
+
+def run_roles(roles, wg, threads):
+    """Traces the warpgroups' roles, each a function returning a generator that yields between its steps: with two
+    Pallas threads role w runs on warpgroup w (`wg`, the thread index); with one, that warpgroup runs every role in
+    turn, step by step, so that the SMEM handoffs between the roles keep their order without barriers. (The Mosaic GPU
+    interpreter runs each thread as a computation of its own, and on few CPU cores one blocked in a barrier wait can
+    starve the other of host threads.)"""
+    if threads == 2:
+        for w, role in enumerate(roles):
+            pl.when(wg == w)(lambda role=role: _trace(role()))
+    else:
+        _trace(itertools.zip_longest(*(role() for role in roles)))
+
+
+def _trace(steps):
+    for _ in steps:
+        pass

@@ -50,7 +50,6 @@ when every key head has one value head, else fp32 for the caller's sum).
 from __future__ import annotations
 
 import functools
-import itertools
 import types
 
 import jax
@@ -144,17 +143,7 @@ def _body(*refs, scale, num_heads, group, segmented, threads):
             dlog=dlog_ref.at[b, tokens, h, own], dbeta=dbeta_ref.at[w, bh, tokens])
         roles.append(functools.partial(_warpgroup, w, r, chan_vec[w], gmem, out, scale=scale, segmented=segmented,
                                        concurrent=threads == 2))
-    if threads == 2:
-        for w, role in enumerate(roles):
-            pl.when(wg == w)(lambda role=role: _run(role()))
-    else:  # one warpgroup runs both roles, step by step between the handoffs (see `grads`)
-        _run(itertools.zip_longest(*(role() for role in roles)))
-
-
-def _run(steps):
-    """Traces every step of a `_warpgroup` generator (or of several, zipped)."""
-    for _ in steps:
-        pass
+    mc.run_roles(roles, wg, threads)
 
 
 def _split3(x):

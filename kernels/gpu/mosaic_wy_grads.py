@@ -58,7 +58,6 @@ heads sharing a key head). SMEM: 225 KiB, one CTA per SM.
 from __future__ import annotations
 
 import functools
-import itertools
 import types
 
 import jax
@@ -149,17 +148,7 @@ def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t):
                  dv=dv_ref.at[b, tokens, h, halves[w]], dbeta=dbeta_ref.at[w, bh, tokens],
                  dgate=dgate_ref.at[w, bh, tokens], end=end_ref.at[w, bh, tokens],
                  survive=survive_ref.at[w, bh, state_rows])) for w in range(2)]
-    if threads == 2:
-        for w, role in enumerate(roles):
-            pl.when(wg == w)(lambda role=role: _run(role()))
-    else:  # one warpgroup runs both roles, step by step between the handoffs (see `grads`)
-        _run(itertools.zip_longest(*(role() for role in roles)))
-
-
-def _run(steps):
-    """Traces every step of a `_warpgroup` generator (or of several, zipped)."""
-    for _ in steps:
-        pass
+    mc.run_roles(roles, wg, threads)
 
 
 def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):

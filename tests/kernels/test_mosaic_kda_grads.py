@@ -16,29 +16,13 @@ import jax.numpy as jnp
 import pytest
 
 from deltajax.kernels.gpu import kda, mosaic_kda_grads
-from test_gpu_kda import (ADVERSARIAL, BF16_OUT_TOL, H100, ON_GPU, _adversarial, _bf16_grad_tol, _check, _grads,
-                          _inputs, _round_trip_bf16)
+from test_gpu_kda import ADVERSARIAL, BF16_OUT_TOL, H100, ON_GPU, _adversarial, _bf16_grad_tol, _check, _grads, _inputs
+from test_mosaic_kda import _bf16_case, _config, _fn
 from testing_utils import relative_error
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
 D = mosaic_kda_grads.HEAD_DIM
-
-
-def _bf16_case(x):
-    x = _round_trip_bf16(x)
-    x["scale"] = D ** -0.5
-    return x
-
-
-def _config(x, **overrides):
-    cfg = kda.default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64,
-                             segmented=x["segment_ids"] is not None, interpret=not ON_GPU)
-    return dataclasses.replace(cfg, **overrides)
-
-
-def _fn(cfg):
-    return lambda *a, **kw: kda.kda_chunk(*a, **kw, config=cfg)
 
 
 # The two kernels form the same terms with different roundings: the Triton kernel takes beta dx as a bf16 operand of

@@ -1047,13 +1047,14 @@ def _split_forward(cfg, src, v, beta, t, p, h0, *, with_states):
 def _check_mosaic_pass(cfg, with_states, knob="pass_backend"):
     """The knobs the Mosaic kernels implement (`Config.pass_backend`, `Config.reverse_backend`,
     `Config.grads_backend` = "mosaic")."""
-    wanted = dict(forward="fused", dots="split", operands="stored", state_dots="bf16")
-    if knob == "grads_backend":
+    if knob == "grads_backend":  # the gradient kernel reads the passes' u, dx and bf16 states, whichever passes
         wanted = dict(dots="split", state_storage="bf16", grads_from_passes=True, fused_pair_grads=True)
-    elif with_states:
-        wanted.update(state_storage="bf16", grads_from_passes=True)
-    if knob == "reverse_backend":
-        wanted.update(pass_backend="mosaic")
+    else:
+        wanted = dict(forward="fused", dots="split", operands="stored", state_dots="bf16")
+        if with_states:
+            wanted.update(state_storage="bf16", grads_from_passes=True)
+        if knob == "reverse_backend":
+            wanted.update(pass_backend="mosaic")
     for name, value in wanted.items():
         if getattr(cfg, name) != value:
             raise ValueError(f"config.{knob}='mosaic' needs config.{name}={value!r}, got {getattr(cfg, name)!r}")

@@ -218,24 +218,23 @@ def _warpgroup(w, r, chan, gmem, out, *, scale, segmented, concurrent):
     from_end_tile = mc.wgmma_layout(jnp.exp(-above_end))  # exp(G_C - G_t) <= 1
     from_end = lambda: from_end_tile
     to_end = lambda: mc.wgmma_layout(1.0 / from_end_tile)
-    tile = lambda name: dict(q=q, k=k)[name]()
     a = mc.wgmma_layout(mc.rows(r.row_vec["carry"], HALF) * mc.cols(chan["exp_g_end"], C) * to_end())
 
     dqa = scale * accumulate([(r.do_s.at[j], s0_t[j]) for j in range(2)])
-    dq = mc.wgmma_layout(a * dqa + rows(dp_self, HALF) * tile("k"))
-    dg = mc.wgmma_layout(a * tile("q") * dqa)
+    dq = mc.wgmma_layout(a * dqa + rows(dp_self, HALF) * k())
+    dg = mc.wgmma_layout(a * q() * dqa)
     dxs = accumulate([(r.x_s.at[j, part], s0_t[j]) for j in range(2) for part in range(2)])
-    a_k = mc.wgmma_layout(a * tile("k"))
+    a_k = mc.wgmma_layout(a * k())
     dbeta = dbeta - jnp.sum(a_k * dxs, axis=1)
     dka = mc.wgmma_layout(-rows(beta, HALF) * dxs)
     dg = mc.wgmma_layout(dg + a_k * dka)
-    dk = mc.wgmma_layout(a * dka + rows(dp_self, HALF) * tile("q"))
+    dk = mc.wgmma_layout(a * dka + rows(dp_self, HALF) * q())
     dke = accumulate([(r.u_s.at[j, part], ds_t[j]) for j in range(2) for part in range(2)])
     if concurrent:
         plgpu.barrier_arrive(r.release)  # this warpgroup's last read of dO, u and dx
     e = mc.wgmma_layout(mc.rows(r.row_vec["tail"], HALF) * from_end())
     dk = mc.wgmma_layout(dk + e * dke)
-    de = mc.wgmma_layout(tile("k") * dke * e)
+    de = mc.wgmma_layout(k() * dke * e)
     if r_term is not None:
         dbeta = dbeta + r_term
     out.dbeta[...] = dbeta
@@ -263,22 +262,22 @@ def _warpgroup(w, r, chan, gmem, out, *, scale, segmented, concurrent):
         if w == 0:
             plgpu.barrier_wait(r.handoff.at[1])  # dR (warpgroup 1 waited for dP before the survival sums)
     k_from, q_to, k_to = own[:2], own[2:], [r.x_s.at[w, 0], r.x_s.at[w, 1]]
-    mc.store_split(tile("k") * from_end(), *k_from)
-    mc.store_split(tile("q") * to_end(), *q_to)
-    mc.store_split(tile("k") * to_end(), *k_to)
+    mc.store_split(k() * from_end(), *k_from)
+    mc.store_split(q() * to_end(), *q_to)
+    mc.store_split(k() * to_end(), *k_to)
     plgpu.commit_smem()
     split_terms = lambda a_pair, b_pair: [(a_pair[0], b_pair[0]), (a_pair[0], b_pair[1]), (a_pair[1], b_pair[0])]
     p_pair, r_pair = (r.p_s.at[0], r.p_s.at[1]), (r.r_s.at[0], r.r_s.at[1])
     left_p = mc.wgmma_layout(to_end() * accumulate(split_terms(p_pair, k_from)))
     out.dq[...] = mc.wgmma_layout((dq + left_p).astype(out.dq.dtype))
-    dg = mc.wgmma_layout(dg + tile("q") * left_p)
+    dg = mc.wgmma_layout(dg + q() * left_p)
     left_r = mc.wgmma_layout(to_end() * accumulate(split_terms(r_pair, k_from)))
     dk = mc.wgmma_layout(dk + left_r)
-    dg = mc.wgmma_layout(dg + tile("k") * left_r)
+    dg = mc.wgmma_layout(dg + k() * left_r)
     p_t, r_t = tuple(map(transposed, p_pair)), tuple(map(transposed, r_pair))
     right = mc.wgmma_layout(from_end() * accumulate(split_terms(p_t, q_to) + split_terms(r_t, k_to)))
     out.dk[...] = mc.wgmma_layout((dk + right).astype(out.dk.dtype))
-    dg = mc.wgmma_layout(dg - tile("k") * right)
+    dg = mc.wgmma_layout(dg - k() * right)
 
     # dG's sum over t >= r, in tiles the pair terms have read, added to what d(log_decay)'s output holds.
     sums = own[:2] + k_to[:1]

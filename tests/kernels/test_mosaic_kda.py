@@ -281,41 +281,59 @@ def test_registered_function_matches_scan_in_interpreter(monkeypatch):
            fn=lambda *a, **kw: pallas_gpu.mosaic_delta_rule(*a, **kw, chunk_size=64), label="mosaic-dispatch")
 
 
+def _abstract_call(B=1, T=130, H=2, Hv=4):
+    """(q, k, v, beta, log_decay, initial_state, segment_ids) as abstract values: a bf16 call with K = V = D,
+    documents and an initial state, for the lowering tests."""
+    q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+    return (q, q, jax.ShapeDtypeStruct((B, T, Hv, D), jnp.bfloat16), jax.ShapeDtypeStruct((B, T, Hv), jnp.float32),
+            jax.ShapeDtypeStruct((B, T, Hv, D), jnp.float32), jax.ShapeDtypeStruct((B, Hv, D, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, T), jnp.int32))
+
+
+def _abstract_config(args, **overrides):
+    """`kda.default_config` of `_abstract_call`'s shapes, compiled (not interpreted), with `overrides`."""
+    q, _, v = args[:3]
+    cfg = kda.default_config(jnp.zeros(q.shape, q.dtype), jnp.zeros(v.shape, v.dtype), scale=0.1, chunk_size=64,
+                             segmented=True, interpret=False)
+    return dataclasses.replace(cfg, **overrides)
+
+
+def _call_with(config):
+    """The call of `_abstract_call`'s arguments, reading `config()` when traced."""
+    def call(q, k, v, beta, log_decay, h0, ids):
+        return kda.kda_chunk(q, k, v, beta, log_decay, scale=0.1, initial_state=h0, segment_ids=ids,
+                             interpret=False, config=config())
+    return call
+
+
+def _gradient_of(call):
+    def loss(*args):
+        o, s = call(*args)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+
+
+def _lowered_for_cuda(fn, args):
+    """`fn` lowered for an abstract H100, as text."""
+    with jax.sharding.use_abstract_mesh(H100):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_lowers_for_cuda(variant):
     """The call and its gradient lowered for an abstract H100 (documents, an initial state, Hv = 2H): one Mosaic GPU
     call in each (the forward pass; the backward's kernels are Triton's). Catches what the interpreter accepts but
     Mosaic GPU cannot lower."""
-    B, T, H, Hv = 1, 130, 2, 4
-    q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
-    v = jax.ShapeDtypeStruct((B, T, Hv, D), jnp.bfloat16)
-    beta = jax.ShapeDtypeStruct((B, T, Hv), jnp.float32)
-    log_decay = jax.ShapeDtypeStruct((B, T, Hv, D), jnp.float32)
-    h0 = jax.ShapeDtypeStruct((B, Hv, D, D), jnp.float32)
-    ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
-    example = jnp.zeros((B, T, Hv, D), jnp.bfloat16)
-    cfg = dataclasses.replace(
-        kda.default_config(example, example, scale=0.1, chunk_size=64, segmented=True, interpret=False),
-        pass_backend="mosaic", **VARIANTS[variant])
-
-    def call(q, k, v, beta, log_decay, h0, ids):
-        return kda.kda_chunk(q, k, v, beta, log_decay, scale=0.1, initial_state=h0, segment_ids=ids,
-                             interpret=False, config=cfg)
-
-    def loss(*args):
-        o, s = call(*args)
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
-
-    with jax.sharding.use_abstract_mesh(H100):
-        forward = jax.jit(call).trace(q, q, v, beta, log_decay, h0, ids).lower(lowering_platforms=("cuda",))
-        gradient = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))).trace(
-            q, q, v, beta, log_decay, h0, ids).lower(lowering_platforms=("cuda",))
-        cfg = dataclasses.replace(cfg, reverse_backend="mosaic")  # `call` reads cfg when traced
-        both = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))).trace(
-            q, q, v, beta, log_decay, h0, ids).lower(lowering_platforms=("cuda",))
-    assert forward.as_text().count("custom_call @mosaic_gpu_v2") == 1
-    assert gradient.as_text().count("custom_call @mosaic_gpu_v2") == 1
-    assert both.as_text().count("custom_call @mosaic_gpu_v2") == 2  # and the reverse pass
+    args = _abstract_call()
+    cfg = _abstract_config(args, pass_backend="mosaic", **VARIANTS[variant])
+    call = _call_with(lambda: cfg)
+    forward = _lowered_for_cuda(call, args)
+    gradient = _lowered_for_cuda(_gradient_of(call), args)
+    both = _lowered_for_cuda(_gradient_of(_call_with(lambda: dataclasses.replace(cfg, reverse_backend="mosaic"))),
+                             args)
+    assert forward.count("custom_call @mosaic_gpu_v2") == 1
+    assert gradient.count("custom_call @mosaic_gpu_v2") == 1
+    assert both.count("custom_call @mosaic_gpu_v2") == 2  # and the reverse pass
 
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import pytest
 
 from deltajax.kernels.gpu import kda, mosaic_kda_grads
-from test_gpu_kda import ADVERSARIAL, BF16_OUT_TOL, H100, ON_GPU, _adversarial, _bf16_grad_tol, _check, _grads, _inputs
-from test_mosaic_kda import _bf16_case, _config, _fn
+from test_gpu_kda import ADVERSARIAL, BF16_OUT_TOL, ON_GPU, _adversarial, _bf16_grad_tol, _check, _grads, _inputs
+from test_mosaic_kda import (_abstract_call, _abstract_config, _bf16_case, _call_with, _config, _fn, _gradient_of,
+                             _lowered_for_cuda)
 from testing_utils import relative_error
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
@@ -115,26 +116,9 @@ def test_gradient_lowers_for_cuda():
     """The gradient lowered for an abstract H100 (documents, an initial state, Hv = 2H): the Mosaic kernel present
     (beside the two Triton kernels that calls with a longer span take). Catches what the interpreter accepts but
     Mosaic GPU cannot lower."""
-    B, T, H, Hv = 1, 130, 2, 4
-    q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
-    v = jax.ShapeDtypeStruct((B, T, Hv, D), jnp.bfloat16)
-    beta = jax.ShapeDtypeStruct((B, T, Hv), jnp.float32)
-    log_decay = jax.ShapeDtypeStruct((B, T, Hv, D), jnp.float32)
-    h0 = jax.ShapeDtypeStruct((B, Hv, D, D), jnp.float32)
-    ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
-    cfg = dataclasses.replace(
-        kda.default_config(jnp.zeros(q.shape, q.dtype), jnp.zeros(v.shape, v.dtype), scale=0.1, chunk_size=64,
-                           segmented=True, interpret=False),
-        grads_backend="mosaic")
-
-    def loss(q, k, v, beta, log_decay, h0, ids):
-        o, s = kda.kda_chunk(q, k, v, beta, log_decay, scale=0.1, initial_state=h0, segment_ids=ids,
-                             interpret=False, config=cfg)
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
-
-    with jax.sharding.use_abstract_mesh(H100):
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))).trace(
-            q, q, v, beta, log_decay, h0, ids).lower(lowering_platforms=("cuda",)).as_text()
+    args = _abstract_call()
+    cfg = _abstract_config(args, grads_backend="mosaic")
+    text = _lowered_for_cuda(_gradient_of(_call_with(lambda: cfg)), args)
     assert text.count("custom_call @mosaic_gpu_v2") == 1
     assert "kda_grads_v" in text and "kda_grads_pairs" in text and "kda_grads_fused" not in text
 

@@ -44,7 +44,6 @@ VARIANTS = {
     "state_bf16": dict(state_dots="bf16"),
     "state_split": dict(state_dots="split"),
     "inverse_xla": dict(inverse_pair="xla"),
-    "mosaic_inverse": dict(inverse_backend="mosaic"),  # T's pair from `mosaic_inverse` (products, fp16 pairs)
     "p_registers": dict(p_operand="registers"),
     "p_smem": dict(p_operand="smem"),
     "p_after_u": dict(p_during_u=False),

@@ -51,7 +51,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from deltajax.kernels.gpu import mosaic_common as mc
-from deltajax.kernels.gpu import mosaic_inverse
 from deltajax.kernels.gpu import mosaic_vectors
 from deltajax.kernels.gpu import mosaic_wy_grads
 from deltajax.kernels.gpu import wy_chunk
@@ -95,10 +94,6 @@ STATE_DOTS = ("split", "bf16")
 # Where T's bf16 hi/lo come from: "kernel", written by the Triton inverse itself (`wy_chunk._inverse(pair=True)`);
 # "xla", the inverse writes fp32 T and XLA splits it (128 MiB more written and read at 8x2048x16x128).
 INVERSE_PAIRS = ("kernel", "xla")
-# Which kernel forms T's pair for the Mosaic passes: "mosaic" (`mosaic_inverse`: products on the tensor cores, fp16
-# operand pairs) or "triton" (`wy_chunk._inverse`: 16 x 16 forward substitution, fp32). Where the Triton reverse
-# pass reads fp32 T, the Triton kernel writes both.
-INVERSE_BACKENDS = ("mosaic", "triton")
 # The masked, decayed Q K^T as wgmma's A operand: "smem" (stored as hi/lo tiles; the only form the Mosaic GPU
 # interpreter runs) or "registers" (no SMEM round trip; lowered and run on the GPU only).
 P_OPERANDS = ("smem", "registers")
@@ -114,9 +109,6 @@ class Config:
     lo_accumulators: str = "shared"  # LO_ACCUMULATORS
     state_dots: str = "bf16"  # STATE_DOTS
     inverse_pair: str = "kernel"  # INVERSE_PAIRS
-    # INVERSE_BACKENDS (with inverse_pair "kernel"). "mosaic" measured slower (H200, 2026-12-01: 0.221 against
-    # 0.135 ms at 8x2048x16x128), so "triton" stays.
-    inverse_backend: str = "triton"
     p_operand: str = "registers"  # P_OPERANDS
     # Form P while u = T diag(beta) y runs on the tensor cores (between issuing its wgmmas and reading them).
     p_during_u: bool = True
@@ -154,8 +146,7 @@ class Config:
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
-                              ("inverse_pair", INVERSE_PAIRS), ("inverse_backend", INVERSE_BACKENDS),
-                              ("p_operand", P_OPERANDS), ("warpgroups", (1, 2)),
+                              ("inverse_pair", INVERSE_PAIRS), ("p_operand", P_OPERANDS), ("warpgroups", (1, 2)),
                               ("block_v", BLOCK_VS), ("stages", (1, 2, 3, 4)), ("grads", GRADS),
                               ("vectors", VECTORS)):
             if getattr(self, name) not in allowed:
@@ -652,10 +643,7 @@ def _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, *, segmented, int
     else None, the pass's inputs (T as a bf16 pair (2, B, Tp, H, C), vectors, doc, survive))."""
     g, vectors, doc_f, survive = _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, segmented=segmented,
                                                 interpret=interpret)
-    if cfg.inverse_pair == "kernel" and cfg.inverse_backend == "mosaic" and not reverse_fp32:
-        t_fp32, t_pair = None, mosaic_inverse.inverse_pair(k, vectors, doc_f, segmented=segmented,
-                                                           interpret=interpret)
-    elif cfg.inverse_pair == "kernel":
+    if cfg.inverse_pair == "kernel":
         written = wy_chunk._inverse(tcfg, k, beta, g, doc, pair=True, fp32=reverse_fp32)
         t_fp32, t_pair = written if reverse_fp32 else (None, written)
     else:

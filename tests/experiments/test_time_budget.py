@@ -230,7 +230,10 @@ def test_trainer_time_budget_stops_early_and_evaluates(tmp_path):
     config = tiny_config(tmp_path / "run", steps=100000, checkpoint_every=0, log_every=5, eval_every=0)
     started = time.perf_counter()
     summary = train(config, data=random_corpus(0), time_budget_s=8.0, log=lambda *_: None)
-    assert time.perf_counter() - started < 3 * 8.0 + 10.0  # a runaway bound: compiling on a loaded machine overruns
+    # Only a runaway bound (the budget stopping the loop is the step check below): the call includes compiling the
+    # training step and both evaluations, which alone overran 8 s on a slow 2-core machine (2026-12-01: 28 s for one
+    # step with the machine idle, 44 s beside another pytest worker).
+    assert time.perf_counter() - started < 3 * 8.0 + 90.0
     assert summary["stopped_early"] and 1 <= summary["step"] < 100000
     assert math.isfinite(summary["eval_loss@1x"]) and math.isfinite(summary["eval_loss@2x"])
     assert os.path.exists(tmp_path / "run" / "loss.png")

@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 
 # Shared test helpers (tests/testing_utils.py) importable from every test folder.
@@ -7,11 +10,33 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 warnings.filterwarnings("ignore", message=".*pallas.*triton.*", category=DeprecationWarning)
 
+# Most of a CPU test's time is XLA compiling, not running: interpret-mode Pallas kernels lower to large HLO
+# modules (one kernel test: 18 compiles, 48 of its 64 s in the backend compiler). LLVM at optimisation level 0
+# compiles them faster and runs them slower, which these small inputs do not notice (that test 64 -> 38 s, an MQAR
+# smoke run 169 -> 120 s; 2-core CPU machine, 2026-12-02). Subprocesses inherit it. Left alone beside an
+# accelerator, whose compiled kernels are what the GPU and TPU tests measure.
+_ACCELERATOR_DEVICES = ("/dev/nvidiactl", "/dev/accel0", "/dev/vfio")
+CPU_ONLY = not any(os.path.exists(d) for d in _ACCELERATOR_DEVICES)
+if CPU_ONLY:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402
+
 # Computations on the CPU run inline rather than dispatched asynchronously. The Pallas TPU interpreter runs its
 # kernels' memory operations as io_callbacks that themselves execute JAX operations; with asynchronous dispatch an
 # eager test could issue its next operation while such a kernel was still running, and a CI run hung there (both
 # threads waiting in `apply_primitive`, tests/kernels/test_tpu_chunk.py, 2026-11-23). Read when the CPU client is
 # created, so it is set before any test runs a computation.
-import jax  # noqa: E402
-
 jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+# The tests jit a fresh closure per call, so a program they build again (the scan reference on every draw of a
+# family, a kernel configuration under several families) is traced again and would be compiled again: a persistent
+# compilation cache, keyed on the lowered program and the compile options, serves the repeats (four adversarial
+# kernel tests 160 -> 126 s, the repeats 39 -> 18 s each; 2026-12-02). One new directory per process (each xdist
+# worker its own: no two processes write one entry), removed at exit; subprocesses do not use it.
+if CPU_ONLY:
+    _COMPILATION_CACHE = tempfile.mkdtemp(prefix="deltajax-test-xla-cache-")
+    atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -15,7 +15,10 @@ TINY = ["--d_model=32", "--n_layers=2", "--layer_pattern=GA", "--n_heads=2", "--
 
 def _run(args, env=None, **kwargs):
     env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
-    env.pop("XLA_FLAGS", None)
+    # No forced host device count reaches the script (the two-process test counts its devices); tests/conftest.py's
+    # compile-speed flag does.
+    env["XLA_FLAGS"] = " ".join(flag for flag in env.get("XLA_FLAGS", "").split()
+                                if not flag.startswith("--xla_force_host_platform_device_count"))
     return subprocess.Popen([sys.executable, SCRIPT, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kwargs)
 

@@ -497,7 +497,8 @@ def test_lowers_for_cuda_every_supported_config(op):
 
 
 # Head sizes for the gradient variants: every size as K and as V, both square and both lopsided extremes.
-VARIANT_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (64, 256), (256, 64))
+VARIANT_HEAD_DIMS = tuple((d, d) for d in pallas_gpu.HEAD_DIMS) + (
+    (min(pallas_gpu.HEAD_DIMS), max(pallas_gpu.HEAD_DIMS)), (max(pallas_gpu.HEAD_DIMS), min(pallas_gpu.HEAD_DIMS)))
 # Mask/gate cases besides all three present: none, and each one absent.
 VARIANT_MASK_CASES = ((False, False, False), (False, True, True), (True, False, True), (True, True, False))
 # Linear attention has no beta, so no inverse and no u or dx from the passes: the variants that differ from

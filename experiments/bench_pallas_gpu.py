@@ -39,6 +39,10 @@ VARIANTS = {
     # The sequential passes read each chunk's scalars formed in XLA (`Config.pass_scalars`), or form them inline.
     "scalars_stored": dict(pass_scalars="stored"),
     "scalars_inline": dict(pass_scalars="inline"),
+    # The reverse pass's state-free scale P^T dO formed chunk-parallel before it, or in every step
+    # (`Config.reverse_scores`).
+    "reverse_scores_stored": dict(reverse_scores="stored"),
+    "reverse_scores_inline": dict(reverse_scores="inline"),
     # The chunk-parallel kernels launched heads fastest instead of chunks fastest (`common.GRID_ORDERS`).
     "heads_first": dict(grid_order="heads"),
     "chunks_first": dict(grid_order="chunks"),

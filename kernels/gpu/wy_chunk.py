@@ -28,7 +28,9 @@ Linear attention is u = V. Kernels, in the order they run:
   `_output_kernel`, grid (V/BV, chunks, B*Hv), does (5) chunk-parallel. With few programs the pass is bound by
   the latency of each step's dependency chain, and "split" leaves only that chain in it.
 - `_reverse_kernel`, grid (V/BV, B*Hv): the sequential pass backwards, carrying dL/dS; writes every chunk's
-  end-state cotangent, dL/d(initial_state) and (for the gradients) dx = T^T du.
+  end-state cotangent, dL/d(initial_state) and (for the gradients) dx = T^T du. Its state-free part of du, scale
+  P^T dO, comes from `_reverse_scores_kernel`, grid (V/BV, chunks, B*Hv), run before it where the pass has at most
+  one program per SM (`Config.reverse_scores="stored"`), else from its own steps.
 - The gradients, chunk-parallel, from the saved start states and end-state cotangents (`Config.grad_method`):
   "fused": `_grad_kernel`, grid (K/BK, chunks, B*Hv), loops over V blocks inside the program so that dq, dk (a K
   block of them), dbeta and d(log_decay) come out whole. "staged": `_grad_v_kernel`, grid (V/BV, chunks, B*Hv),
@@ -92,6 +94,11 @@ STATE_STORAGES = ("fp32", "bf16")
 # (docs/kernels.md, "Eighth session").
 OUTPUT_METHODS = ("fused", "split")
 PASS_SCALARS = ("inline", "stored")
+# Where the reverse pass gets each chunk's state-free part of du, scale P^T dO (REVERSE_SCORES): "inline", formed in
+# every step of the pass (Q K^T, the masks and exps, P^T dO: in each of the V/BV programs of a head, and on the
+# step's instruction stream); "stored", formed chunk-parallel by `_reverse_scores_kernel` before the pass and read
+# as one more fp32 input (C x V per chunk and head written and read once).
+REVERSE_SCORES = ("inline", "stored")
 # The forward without residuals in pieces of the sequence, each piece's state pass beside the next piece's inverse
 # and the last piece's output (on side streams through `compute_on`, then as roles of one launch per piece),
 # measured slower than one piece at 1x32768x16x128 and 1x65536x16x128 on the H100 and was removed (docs/kernels.md,
@@ -160,6 +167,8 @@ class Config:
     # shared memory and a barrier, behind an un-prefetched load of carry, all on the step's chain (1.52 -> 1.16 ms
     # for the forward pass at 1x32768x16x128 on the H100; docs/kernels.md, "Chunk scalars out of the passes").
     pass_scalars: str = "stored"
+    # Where the reverse pass gets scale P^T dO, the part of du that does not depend on the state (REVERSE_SCORES).
+    reverse_scores: str = "inline"
 
     # Launch order of the chunk-parallel kernels (`common.GRID_ORDERS`): chunks or heads fastest.
     grid_order: str = "chunks"
@@ -179,6 +188,8 @@ class Config:
                 raise ValueError(f"{name}='split' needs inverse_dots='split', got {self.inverse_dots!r}")
         if self.pass_scalars not in PASS_SCALARS:
             raise ValueError(f"pass_scalars must be one of {PASS_SCALARS}, got {self.pass_scalars!r}")
+        if self.reverse_scores not in REVERSE_SCORES:
+            raise ValueError(f"reverse_scores must be one of {REVERSE_SCORES}, got {self.reverse_scores!r}")
         if self.state_storage not in STATE_STORAGES:
             raise ValueError(f"state_storage must be one of {STATE_STORAGES}, got {self.state_storage!r}")
         if self.state_storage == "bf16" and not (
@@ -695,9 +706,46 @@ def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, scalar_refs, do_ref, dfinal_ref, dh0_ref,
-                    dends_ref, *dx_ref, cfg: Config, nt: int):
-    """scalar_refs: see `_pass_scalar_inputs`."""
+def _reverse_scores_kernel(q_ref, k_ref, g_ref, doc_ref, do_ref, out_ref, *, cfg: Config):
+    """`Config.reverse_scores="stored"`: scale P^T dO of one chunk and V block, P = (Q K^T) (.) exp(G_t - G_s)
+    [t >= s, same document], with the same products as the reverse pass forms it inline (`_reverse_scores`)."""
+    out_ref[...] = _reverse_scores(cfg, q_ref[...], k_ref[...], _gates(g_ref), doc_ref[...], do_ref[...])
+
+
+def _reverse_scores(cfg, q, k, g, doc, do):
+    """scale P^T dO: dL/du of eq. (5) through the in-chunk scores, which no state enters."""
+    mask = _chunk_mask(doc, cfg.chunk_size, strict=False, segmented=cfg.segmented)
+    p = _dot(q, k, tb=True, mode=cfg.grad_dots) * _pair_decay(g, g, mask)
+    return cfg.scale * _dot(p, do, ta=True, mode=cfg.grad_dots)
+
+
+def _reverse_scores_pass(cfg, q, k, g, doc, do):
+    """scale P^T dO of every chunk (B, Tp, Hv, V) fp32, chunk-parallel: grid (V/BV, chunks, B*Hv), BV =
+    `cfg.output_block_v` (P is formed again in each V block)."""
+    B, Tp, H, K = q.shape
+    Hv, V = do.shape[2], do.shape[3]
+    C, G = cfg.chunk_size, Hv // H
+    BV = min(cfg.output_block_v, V)
+    key_spec = pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0))
+    value_spec = pl.BlockSpec((None, C, None, BV), lambda j, i, bh: (bh // Hv, i, bh % Hv, j))
+    return _chunk_parallel_call(
+        functools.partial(_reverse_scores_kernel, cfg=cfg),
+        grid=(V // BV, Tp // C, B * Hv),
+        grid_order=cfg.grid_order,
+        in_specs=[key_spec, key_spec, pl.BlockSpec((2, None, C, None), lambda j, i, bh: (0, bh // Hv, i, bh % Hv)),
+                  pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)), value_spec],
+        out_specs=value_spec,
+        out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, V), F32),
+        compiler_params=_params(cfg.output_warps, cfg.stages),
+        interpret=cfg.interpret,
+        name="wy_reverse_scores",
+    )(q, k, g, doc, do)
+
+
+def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, scalar_refs, do_ref, dfinal_ref, score_refs,
+                    dh0_ref, dends_ref, *dx_ref, cfg: Config, nt: int):
+    """scalar_refs: see `_pass_scalar_inputs`; score_refs: () or (with `reverse_scores="stored"`) the V block of
+    `_reverse_scores_pass`'s output."""
     C = cfg.chunk_size
     K = q_ref.shape[-1]
 
@@ -705,18 +753,19 @@ def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, scalar_refs, 
         """ds: dL/d(state at the end of chunk i); returns dL/d(state at its start)."""
         rows = pl.ds(pl.multiple_of(i * C, C), C)
         dends_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = ds.astype(dends_ref.dtype)
-        q, k, g = q_ref[rows, :], k_ref[rows, :], _gates(g_ref, rows)
+        q, k = q_ref[rows, :], k_ref[rows, :]
         if stored is None:
-            stored = _chunk_scalars(g, *(ref[rows] for ref in scalar_refs))
+            stored = _chunk_scalars(_gates(g_ref, rows), *(ref[rows] for ref in scalar_refs))
         from_start, to_end, survive = stored
         do = do_ref[rows, :]
         ds_start = survive * ds + cfg.scale * _dot(q, from_start[:, None] * do.astype(F32), ta=True,
                                                    mode=cfg.state_dots)
         if cfg.delta:
-            mask = _chunk_mask(doc_ref[rows], C, strict=False, segmented=cfg.segmented)
-            p = _dot(q, k, tb=True, mode=cfg.grad_dots) * _pair_decay(g, g, mask)
-            du = (cfg.scale * _dot(p, do, ta=True, mode=cfg.grad_dots)
-                  + to_end[:, None] * _dot(k, ds, mode=cfg.state_dots))
+            if score_refs:
+                scores = score_refs[0][rows, :]
+            else:
+                scores = _reverse_scores(cfg, q, k, _gates(g_ref, rows), doc_ref[rows], do)
+            du = scores + to_end[:, None] * _dot(k, ds, mode=cfg.state_dots)
             dx = _inverse_dot(t_ref, rows, du, cfg, ta=True)  # dL/d(beta y) of eq. (4)
             if len(dx_ref) == 1:
                 dx_ref[0][rows, :] = dx
@@ -739,17 +788,19 @@ def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal, *, dx_pai
         out_specs += [sp["value"]] * (1 + dx_pair)
         out_shape += _u_shapes(dx_pair, (B, Tp, Hv, V))
     scalars, scalar_specs = _pass_scalar_inputs(cfg, sp, g, carry, tail, gates=False)
+    stored = cfg.delta and cfg.reverse_scores == "stored"
+    scores = (_reverse_scores_pass(cfg, q, k, g, doc, do),) if stored else ()
     return pl.pallas_call(
         functools.partial(_reverse_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
         in_specs=[sp["key"], sp["key"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], scalar_specs,
-                  sp["value"], sp["state"]],
+                  sp["value"], sp["state"], (sp["value"],) if stored else ()],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=_params(cfg.warps, _pass_stages(cfg)),
         interpret=cfg.interpret,
         name="wy_reverse",
-    )(q, k, beta, t, g, doc, scalars, do, dfinal)
+    )(q, k, beta, t, g, doc, scalars, do, dfinal, scores)
 
 
 def _grad_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, tail_ref, s0_ref, dend_ref,
@@ -1375,6 +1426,18 @@ def default_output_method(batch_heads, key_dim, value_dim):
     return sequential_layout(batch_heads, key_dim, value_dim)[1]
 
 
+# The reverse pass reads scale P^T dO formed chunk-parallel (`Config.reverse_scores="stored"`) where its programs
+# fit one per SM: there the step's instruction stream sets the pass's time, and Q K^T, the exps and P^T dO, formed
+# again by each of a head's V/BV programs, were a large part of it. With more programs the extra C x V fp32 per
+# chunk and head written and read costs more than it saves. H200, 2026-12-02 (`bench_pallas_gpu.py`, variants
+# reverse_scores_inline / reverse_scores_stored, two runs each, ms): 1x32768x16x128 (128 programs of BV 16) reverse
+# pass 1.506-1.515 / 1.174-1.177, forward+backward 4.948-4.954 / 4.613-4.616; 8x2048x16x128 (512 programs of BV
+# 32) reverse 0.401 / 0.429, forward+backward 1.949 / 1.976. The same errors against the fp32 scan.
+def default_reverse_scores(batch_heads, key_dim, value_dim, *, bf16=False):
+    block_v = sequential_layout(batch_heads, key_dim, value_dim, bf16=bf16)[0]
+    return "stored" if batch_heads * (value_dim // block_v) <= MIN_SEQUENTIAL_PROGRAMS else "inline"
+
+
 def default_grad_method(key_dim):
     return "staged" if GRAD_METHOD == "merged" and key_dim > MERGED_MAX_K else GRAD_METHOD
 
@@ -1406,7 +1469,8 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
         # The passes read T's bf16 pair where T's products are "split" and (measured, "Sixth session") it was
         # faster: the state pass of "split" always, the reverse pass with one program per SM.
         pass_inverse_storage="split" if output_method == "split" and inverse_dots == "split" else "fp32",
-        reverse_inverse_storage="split" if pass_stages and inverse_dots == "split" else "fp32")
+        reverse_inverse_storage="split" if pass_stages and inverse_dots == "split" else "fp32",
+        reverse_scores=default_reverse_scores(q.shape[0] * v.shape[2], K, V, bf16=jnp.dtype(q.dtype) == jnp.bfloat16))
 
 
 def replace_config(cfg, **changes):

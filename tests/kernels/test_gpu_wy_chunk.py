@@ -51,6 +51,10 @@ GRAD_VARIANTS = {
                                                output_method="split", pass_scalars="inline"),
     "fused_fused_output_inline_scalars": dict(grad_method="fused", grad_block_v=32, grad_block_k=256,
                                               output_method="fused", pass_scalars="inline"),
+    # The reverse pass forming scale P^T dO in every step (`Config.reverse_scores`; the default at these sizes,
+    # one program per SM, reads it formed chunk-parallel).
+    "merged_inline_reverse_scores": dict(grad_method="merged", grad_block_v=16, grad_block_k=256,
+                                         reverse_scores="inline"),
 }
 LOWERED_GRAD_VARIANTS = {
     "fused": GRAD_VARIANTS["fused"],
@@ -74,6 +78,8 @@ LOWERED_GRAD_VARIANTS = {
                                                output_method="split", pass_scalars="inline"),
     "merged_fused_output_inline_scalars": dict(grad_method="merged", grad_block_v=32, grad_block_k=256,
                                                output_method="fused", pass_scalars="inline"),
+    "merged_inline_reverse_scores": dict(grad_method="merged", grad_block_v=32, grad_block_k=256,
+                                         reverse_scores="inline"),
 }
 # Both output methods, each forced (the default picks one by shape).
 OUTPUT_VARIANTS = {method: dict(output_method=method) for method in wy_chunk.OUTPUT_METHODS}
@@ -395,21 +401,25 @@ def test_bf16_passes_take_one_program_per_sm_at_bv_32(batch, heads, dtype, K, ex
 
 
 @pytest.mark.parametrize("batch,heads,dtype,expected", [
-    (8, 16, "bfloat16", ("fused", None, "fp32", "fp32")),  # 512 programs: two waves of two per SM
-    (2, 16, "bfloat16", ("split", 3, "split", "split")),  # bf16: 128 programs at BV 32, at most one per SM
-    (2, 16, "float32", ("split", None, "fp32", "fp32")),  # 256 programs at BV 16: one wave
-    (1, 16, "bfloat16", ("split", 3, "split", "split")),  # 128 programs: at most one per SM
-    (1, 16, "float32", ("split", 3, "fp32", "fp32")),  # IEEE fp32 products with T: no pair
+    (8, 16, "bfloat16", ("fused", None, "fp32", "fp32", "inline")),  # 512 programs: two waves of two per SM
+    (2, 16, "bfloat16", ("split", 3, "split", "split", "stored")),  # bf16: 128 programs at BV 32, one per SM
+    (2, 16, "float32", ("split", None, "fp32", "fp32", "inline")),  # 256 programs at BV 16: one wave
+    (1, 16, "bfloat16", ("split", 3, "split", "split", "stored")),  # 128 programs: at most one per SM
+    (1, 16, "float32", ("split", 3, "fp32", "fp32", "stored")),  # IEEE fp32 products with T: no pair
 ])
 @pytest.mark.parametrize("K", [16, 256])
 def test_output_method_and_pass_stages_follow_the_programs(batch, heads, dtype, expected, K):
-    """(output method, pass stages, how the forward and the reverse pass read T) by the passes' programs."""
-    if K == 256:  # three stages' buffers do not fit in shared memory at K = 256: two, and the reverse reads fp32
-        expected = (expected[0], None, expected[2], "fp32")
+    """(output method, pass stages, how the forward and the reverse pass read T, where the reverse pass gets its
+    scores) by the passes' programs."""
+    if K == 256:
+        # Three stages' buffers do not fit in shared memory at K = 256: two, and the reverse reads fp32. Nor does
+        # the bf16 layout of BV 32 apply: 2 x 16 heads take BV 16, 256 programs.
+        expected = (expected[0], None, expected[2], "fp32", "stored" if batch == 1 else "inline")
     x = rule_inputs(fresh_key(), B=batch, T=1, H=heads, K=K, V=128)
     q, v = x["q"].astype(dtype), x["v"].astype(dtype)
     cfg = default_config(q, v, scale=1.0, chunk_size=64, delta=True, segmented=False, interpret=True)
-    assert (cfg.output_method, cfg.pass_stages, cfg.pass_inverse_storage, cfg.reverse_inverse_storage) == expected
+    assert (cfg.output_method, cfg.pass_stages, cfg.pass_inverse_storage, cfg.reverse_inverse_storage,
+            cfg.reverse_scores) == expected
 
 
 def test_supports_fails_closed():
@@ -476,21 +486,23 @@ def test_inverse_lowers_for_cuda(method):
         assert text.count("__gpu$xla.gpu.triton") == 1, (K, dtype, segmented)
 
 
-def _kernel_count(op, grad_method, output_method="fused"):
-    """(inverse,) forward pass (and the output kernel of "split"), reverse pass, gradients (one kernel, or two when
-    staged; linear attention takes "staged" for "merged")."""
+def _kernel_count(op, grad_method, output_method="fused", reverse_scores="inline"):
+    """(inverse,) forward pass (and the output kernel of "split"), (the reverse pass's scores,) reverse pass,
+    gradients (one kernel, or two when staged; linear attention takes "staged" for "merged")."""
     split = output_method == "split"
     if op == "delta_rule":
-        return 4 + (grad_method == "staged") + split
+        return 4 + (grad_method == "staged") + split + (reverse_scores == "stored")
     return 3 + (grad_method in ("staged", "merged")) + split
 
 
 @pytest.mark.parametrize("op", dispatch.OPS)
 def test_lowers_for_cuda_every_supported_config(op):
     for K, V, dtype in itertools.product(pallas_gpu.HEAD_DIMS, pallas_gpu.HEAD_DIMS, pallas_gpu.DTYPES):
-        kernels = _kernel_count(op, wy_chunk.default_grad_method(K), wy_chunk.default_output_method(4, K, V))
+        kernels = _kernel_count(op, wy_chunk.default_grad_method(K), wy_chunk.default_output_method(4, K, V),
+                                wy_chunk.default_reverse_scores(4, K, V, bf16=dtype == "bfloat16"))
         assert _lower_for_cuda(op, K, V, jnp.dtype(dtype)) == kernels, (K, V, dtype)
-    kernels = _kernel_count(op, wy_chunk.default_grad_method(128), wy_chunk.default_output_method(4, 128, 128))
+    kernels = _kernel_count(op, wy_chunk.default_grad_method(128), wy_chunk.default_output_method(4, 128, 128),
+                            wy_chunk.default_reverse_scores(4, 128, 128, bf16=True))
     for segmented, init, decay in itertools.product((False, True), repeat=3):
         assert _lower_for_cuda(op, 128, 128, jnp.bfloat16, T=64, segmented=segmented, init=init,
                                decay=decay) == kernels
@@ -504,7 +516,8 @@ VARIANT_MASK_CASES = ((False, False, False), (False, True, True), (True, False, 
 # Linear attention has no beta, so no inverse and no u or dx from the passes: the variants that differ from
 # another only there would lower that one's kernels again.
 LINEAR_ATTENTION_SAME_KERNELS = ("staged_recompute", "merged_split_output_fp32_pass_inverse",
-                                 "merged_passes_read_pair", "staged_recompute_passes_read_pair")
+                                 "merged_passes_read_pair", "staged_recompute_passes_read_pair",
+                                 "merged_inline_reverse_scores")
 GRAD_LOWERING_CASES = [(op, grad) for op in dispatch.OPS for grad in LOWERED_GRAD_VARIANTS
                        if not (op == "linear_attention" and grad in LINEAR_ATTENTION_SAME_KERNELS)]
 
@@ -517,11 +530,12 @@ def test_lowers_for_cuda_every_grad_method(op, grad):
     28 variant/op pairs. The default configuration lowers the full products in
     `test_lowers_for_cuda_every_supported_config`."""
     variant = LOWERED_GRAD_VARIANTS[grad]
-    count = lambda V: _kernel_count(op, variant["grad_method"],
-                                    variant.get("output_method", wy_chunk.default_output_method(4, 128, V)))
+    count = lambda K, V: _kernel_count(
+        op, variant["grad_method"], variant.get("output_method", wy_chunk.default_output_method(4, 128, V)),
+        variant.get("reverse_scores", wy_chunk.default_reverse_scores(4, K, V, bf16=True)))
     for K, V in VARIANT_HEAD_DIMS:
-        assert _lower_for_cuda(op, K, V, jnp.bfloat16, grad=variant) == count(V), (K, V)
-    kernels = count(128)
+        assert _lower_for_cuda(op, K, V, jnp.bfloat16, grad=variant) == count(K, V), (K, V)
+    kernels = count(128, 128)
     for segmented, init, decay in VARIANT_MASK_CASES:
         assert _lower_for_cuda(op, 128, 128, jnp.bfloat16, T=64, segmented=segmented, init=init, decay=decay,
                                grad=variant) == kernels
@@ -603,6 +617,17 @@ def test_gpu_adversarial_output_methods(family, output):
     x = _round_trip_bf16(_adversarial(fresh_key(), family, B=2, T=500, H=2, Hv=4, K=128, V=128))
     x["scale"] = 128 ** -0.5
     _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol, fn=_kernel(OUTPUT_VARIANTS[output]))
+
+
+@gpu_only
+@pytest.mark.parametrize("reverse_scores", wy_chunk.REVERSE_SCORES)
+@pytest.mark.parametrize("op,T,decay,packed,init,heads,dims", [GPU_CASES[0], GPU_CASES[3]])
+def test_gpu_reverse_scores_match_scan(op, T, decay, packed, init, heads, dims, reverse_scores):
+    """Both places the reverse pass gets scale P^T dO from (`Config.reverse_scores`), compiled, bf16."""
+    x = rule_inputs(fresh_key(), B=2, T=T, H=heads[0], Hv=heads[1], K=dims[0], V=dims[1], decay=decay,
+                    beta_max=2.0, packed=packed, with_initial_state=init)
+    x["scale"] = dims[0] ** -0.5
+    _check(_round_trip_bf16(x), op, BF16_OUT_TOL, _bf16_grad_tol, fn=_kernel(dict(reverse_scores=reverse_scores)))
 
 
 @gpu_only

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -674,26 +675,32 @@ def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, *, u_pair=False):
     )(k, v, beta, t, scalars, h0)
 
 
+def _value_block_specs(cfg, K, BV, Hv, H):
+    """BlockSpecs of a chunk-parallel kernel over V blocks, grid (V/BV, chunks, B*Hv): one chunk's q or k at its key
+    head, its V block of a per-value-head array, its gates [hi, lo] and a per-sequence row (doc, carry)."""
+    C, G = cfg.chunk_size, Hv // H
+    return types.SimpleNamespace(
+        key=pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0)),
+        value=pl.BlockSpec((None, C, None, BV), lambda j, i, bh: (bh // Hv, i, bh % Hv, j)),
+        gates=pl.BlockSpec((2, None, C, None), lambda j, i, bh: (0, bh // Hv, i, bh % Hv)),
+        seq=pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)))
+
+
 def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype):
     """O of every chunk, chunk-parallel: grid (V/BV, chunks, B*Hv) with BV = `cfg.output_block_v`. u: fp32, v (linear
     attention), or a tuple of u's bf16 halves."""
     u = u if isinstance(u, tuple) else (u,)
     B, Tp, H, K = q.shape
     Hv, V = u[0].shape[2], u[0].shape[3]
-    C, G = cfg.chunk_size, Hv // H
     BV = min(cfg.output_block_v, V)
-    key_spec = pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0))
-    value_spec = pl.BlockSpec((None, C, None, BV), lambda j, i, bh: (bh // Hv, i, bh % Hv, j))
+    sp = _value_block_specs(cfg, K, BV, Hv, H)
     return _chunk_parallel_call(
         functools.partial(_output_kernel, cfg=cfg),
-        grid=(V // BV, Tp // C, B * Hv),
+        grid=(V // BV, Tp // cfg.chunk_size, B * Hv),
         grid_order=cfg.grid_order,
-        in_specs=[key_spec, key_spec, *[value_spec] * len(u),
-                  pl.BlockSpec((2, None, C, None), lambda j, i, bh: (0, bh // Hv, i, bh % Hv)),
-                  pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
-                  pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)),
+        in_specs=[sp.key, sp.key, *[sp.value] * len(u), sp.gates, sp.seq, sp.seq,
                   pl.BlockSpec((None, None, K, BV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j))],
-        out_specs=value_spec,
+        out_specs=sp.value,
         out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, V), out_dtype),
         compiler_params=_params(cfg.output_warps, cfg.stages),
         interpret=cfg.interpret,
@@ -724,17 +731,14 @@ def _reverse_scores_pass(cfg, q, k, g, doc, do):
     `cfg.output_block_v` (P is formed again in each V block)."""
     B, Tp, H, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
-    C, G = cfg.chunk_size, Hv // H
     BV = min(cfg.output_block_v, V)
-    key_spec = pl.BlockSpec((None, C, None, K), lambda j, i, bh: (bh // Hv, i, (bh % Hv) // G, 0))
-    value_spec = pl.BlockSpec((None, C, None, BV), lambda j, i, bh: (bh // Hv, i, bh % Hv, j))
+    sp = _value_block_specs(cfg, K, BV, Hv, H)
     return _chunk_parallel_call(
         functools.partial(_reverse_scores_kernel, cfg=cfg),
-        grid=(V // BV, Tp // C, B * Hv),
+        grid=(V // BV, Tp // cfg.chunk_size, B * Hv),
         grid_order=cfg.grid_order,
-        in_specs=[key_spec, key_spec, pl.BlockSpec((2, None, C, None), lambda j, i, bh: (0, bh // Hv, i, bh % Hv)),
-                  pl.BlockSpec((None, C), lambda j, i, bh: (bh // Hv, i)), value_spec],
-        out_specs=value_spec,
+        in_specs=[sp.key, sp.key, sp.gates, sp.seq, sp.value],
+        out_specs=sp.value,
         out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, V), F32),
         compiler_params=_params(cfg.output_warps, cfg.stages),
         interpret=cfg.interpret,

@@ -82,6 +82,7 @@ VARIANTS = {
     "split_forward": dict(forward="split"),  # a pass carrying only the state, then the output chunk-parallel
     # the output kernel reading fp32 start states (with bf16 ones it rounds S_0 in (A (.) Q) S_0)
     "split_forward_fp32": dict(forward="split", state_storage="fp32"),
+    "split_forward_fp32_obv128": dict(forward="split", state_storage="fp32", output_block_v=128),
     # the forward pass in Mosaic GPU (Hopper), state blocks of 64 or 32 columns
     "mosaic_pass": dict(pass_backend="mosaic", mosaic_block_v=64),
     "mosaic_pass_bv32": dict(pass_backend="mosaic", mosaic_block_v=32),
@@ -92,6 +93,13 @@ VARIANTS = {
     "mosaic_shared_head_output_bf16": dict(pass_backend="mosaic", mosaic_shared_head=True, output_dots="bf16"),
     # the fused gradient kernel in Mosaic GPU (`Config.grads_backend`, `mosaic_kda_grads.py`), alone and with both
     # Mosaic passes
+    # The backward's stored operands saved by the forward instead of formed again (`Config.backward_operands`),
+    # with the Triton kernels and with both Mosaic passes (`kda.mosaic_config` at 64+ value heads).
+    "backward_operands_saved": dict(backward_operands="saved"),
+    "backward_operands_formed": dict(backward_operands="formed"),
+    "mosaic_reverse_operands_saved": dict(pass_backend="mosaic", reverse_backend="mosaic", backward_operands="saved"),
+    "mosaic_reverse_operands_formed": dict(pass_backend="mosaic", reverse_backend="mosaic",
+                                           backward_operands="formed"),
     "mosaic_grads": dict(grads_backend="mosaic"),
     "mosaic_reverse_grads": dict(pass_backend="mosaic", reverse_backend="mosaic", grads_backend="mosaic"),
     "split_forward_obv32": dict(forward="split", output_block_v=32),
@@ -208,7 +216,9 @@ def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
     doc = jnp.zeros((B, T), jnp.int32)
     ones = jnp.ones((B, T), jnp.float32)
     h0 = jnp.zeros((B, H, D, D), jnp.float32)
-    cum = jax.jit(lambda q, k, g: kda._gates_and_operands(cfg, q, k, g, ones, ones))
+    # with `backward_operands="saved"` the forward's operand kernel also writes the backward's tiles
+    phase = "both" if cfg.backward_operands == "saved" and cfg.operands == "stored" else "forward"
+    cum = jax.jit(lambda q, k, g: kda._gates_and_operands(cfg, q, k, g, ones, ones, phase))
     g, glo, _ = cum(q, k, log_decay)
     prep = jax.jit(lambda q, k, g, glo, b: kda._prepare(cfg, q, k, g, glo, b, doc, with_r=True))
     t, p, r = prep(q, k, g, glo, beta)

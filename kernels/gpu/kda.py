@@ -44,15 +44,20 @@ the index maps, never a repeated copy):
   for one chunk, "partner" summing P and R over blocks of `Config.block_k` channels; writes P and T (C x C fp32
   each) and, for the backward, R (strict, same document).
 - `_gates_kernel` (`Config.cumsum="with_operands"`, default), grid (chunks, B*Hv): the compensated cumsum G of one
-  chunk (`_cumulative_kernel`'s rows) and, from the same numbers, the forward's stored operands below.
+  chunk (`_cumulative_kernel`'s rows) and, from the same numbers, the forward's stored operands below; under
+  differentiation also the parts only the backward reads (`Config.backward_operands="saved"`, default), which the
+  backward then takes from the residuals.
 - `_operands_kernel` (`Config.operands="stored"`, default), grid (K/BK, chunks, B*Hv): A (.) Q, A (.) K, E (.) K
   (the bf16 parts each phase reads, for "split" products) and gamma for one chunk and BK channels, so that the
-  passes below load dot operands instead of forming them in every step; the backward's (formed again, not saved).
+  passes below load dot operands instead of forming them in every step; with `cumsum` "xla" or "kernel" the
+  forward's, and with `backward_operands="formed"` the backward's, formed again at its start.
 - `_forward_kernel`, grid (V/BV, B*Hv): `fori_loop` over the chunks with the fp32 state block S[:, BV] (K x BV) in
   registers, (4)-(6); writes O, the final state and, for the backward, every chunk's start state and
   (`Config.grads_from_passes`) u as a bf16 (hi, lo) pair.
   With `Config.forward="split"` instead: `_state_kernel` (same grid and loop, (4) and (6) only, always writing the
-  start states), then `_output_kernel`, grid (V/BV_out, chunks, B*Hv), (4) and (5) from the saved start states.
+  start states), then `_output_kernel`, grid (V/BV_out, chunks, B*Hv), (4) and (5) from the saved start states;
+  the undifferentiated forward alone runs so with fp32 start states where the passes take V blocks of 16
+  (`Config.primal_forward`, default there).
   With `Config.pass_backend="mosaic"` (Hopper, bf16, K = V = 128; `mosaic_config`): the same pass in Mosaic GPU
   (`mosaic_kda.py`), reading T and P as bf16 (hi, lo) pairs, which prepare then writes and the reverse pass reads.
 - `_reverse_kernel`, grid (V/BV, B*Hv): the same loop backwards carrying dL/dS; writes every chunk's end-state
@@ -145,8 +150,18 @@ OPERAND_METHODS = ("inline", "stored")
 # (0.74-0.92 ms at 8x2048x16x128 bf16 on the H100, 2026-11-25, for 134 MB in and 268 MB out); "kernel":
 # `_cumulative_kernel`, one pass over the rows of each chunk with an exact TwoSum per addition.
 # "with_operands": the cumsum kernel also writes the forward's stored operands (`_gates_kernel`), so that no
-# kernel reads G back to form them; the backward still runs `_operands_kernel`.
+# kernel reads G back to form them (the backward's come from it too with `backward_operands="saved"`, else from
+# `_operands_kernel`).
 CUMSUM_METHODS = ("xla", "kernel", "with_operands")
+# Where the backward's stored operands come from (`Config.backward_operands`, stored operands only). "formed":
+# `_operands_kernel` forms them again at the start of the backward from q, k and the gates, so only the residuals
+# the backward needs anyway stay alive between the two. "saved": the forward's operand kernel (or `_gates_kernel`)
+# also writes the parts only the backward reads (for bfloat16 inputs A (.) K's lo half; `_operand_parts(cfg,
+# "both")`) and the backward takes its tiles from the saved ones (the same values bit for bit: one kernel, one
+# rounding), so the backward runs no operand kernel, at the price of those tiles kept alive from the forward to the
+# backward (for bfloat16 inputs four bf16 tiles of C x K per chunk and value head). Without stored operands
+# (`operands="inline"`) there is nothing to save and the knob does nothing.
+BACKWARD_OPERANDS = ("formed", "saved")
 # The products that tolerate plain bf16 operands for bf16 inputs (`Config.state_dots`, `Config.grad_k_dots`): the
 # products of a chunk operand with a chunk state or state cotangent, and those of dO and dx with S_0; not the
 # output's (A (.) Q) S_0 (`Config.output_dots`), which decides o where the state dominates it. Measured in
@@ -194,6 +209,10 @@ class Config:
     stages: int
     interpret: bool
     forward: str = "fused"  # FORWARD_METHODS
+    # The method of the forward when it is not differentiated (FORWARD_METHODS, or None: `forward`'s). "split" here
+    # writes fp32 start states for its output kernel whatever `state_storage` says (the output's (A (.) Q) S_0 then
+    # rounds S_0 only as the fused pass does, so decoding stays exact), as only its own output kernel reads them.
+    primal_forward: str | None = None
     output_block_v: int = 64  # BV of `_output_kernel` ("split")
     operands: str = "inline"  # OPERAND_METHODS
     block_k: int = 128  # channels per step of prepare's loop and per program of the operand and pair kernels
@@ -245,6 +264,7 @@ class Config:
     # Calls with a longer span take the two Triton kernels either way. Opt-in: measured slower than the Triton kernel
     # (2.33 against 1.88 ms at 8x2048x16x128, H200, 2026-11-29; docs/kernels.md).
     grads_backend: str = "triton"
+    backward_operands: str = "formed"  # BACKWARD_OPERANDS
 
 
 def _masked_exp(mask, x):
@@ -697,6 +717,9 @@ def _prepare(cfg, q, k, g, glo, beta, doc, *, with_r=False):
             raise ValueError(f"config.{name} must be one of {TOLERANT_DOT_MODES}, got {getattr(cfg, name)!r}")
     if cfg.forward not in FORWARD_METHODS:
         raise ValueError(f"config.forward must be one of {FORWARD_METHODS}, got {cfg.forward!r}")
+    if cfg.primal_forward is not None and cfg.primal_forward not in FORWARD_METHODS:
+        raise ValueError(f"config.primal_forward must be None or one of {FORWARD_METHODS}, got "
+                         f"{cfg.primal_forward!r}")
     if cfg.operands not in OPERAND_METHODS:
         raise ValueError(f"config.operands must be one of {OPERAND_METHODS}, got {cfg.operands!r}")
     if cfg.partner_rows not in PARTNER_ROWS:
@@ -774,7 +797,9 @@ class _ChunkOperands(NamedTuple):
     gamma: jax.Array  # (K,)
 
 
-PHASES = ("forward", "backward")  # which passes read the stored operands (`_operand_parts`)
+# Which passes read the stored operands (`_operand_parts`); "both": the tiles of either phase, written once by the
+# forward for `backward_operands="saved"` and taken apart by `_phase_operands`.
+PHASES = ("forward", "backward", "both")
 
 
 def _operand_parts(cfg, phase):
@@ -783,13 +808,25 @@ def _operand_parts(cfg, phase):
     operands are one fp32 tile each. Forward: (A.Q) S_0 is the output's state product, (A.K) S_0 a state product,
     (E.K)^T u is "split". Backward (the reverse pass and the V kernel): (A.Q)^T dO, (E.K) dS and (A.K) S_0 are state
     products, (A.K)^T (beta dx) is "split". For bfloat16 inputs that stores 5 bf16 tiles in the forward and 4 in
-    the backward instead of 6 each."""
+    the backward instead of 6 each; "both" is each operand's larger count (6 for bfloat16: the forward's five and
+    A (.) K's lo half), since hi is always the first part."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    if phase == "both":
+        return tuple(map(max, _operand_parts(cfg, "forward"), _operand_parts(cfg, "backward")))
     if cfg.dots != "split":
         return 1, 1, 1
     state = 1 if cfg.state_dots == "bf16" else 2
     return (1 if cfg.output_dots == "bf16" else 2, state, 2) if phase == "forward" else (state, 2, state)
+
+
+def _phase_operands(cfg, both, phase):
+    """The stored operands of `phase` taken from those of "both" (tiles, then gamma): each operand's first parts
+    (hi before lo), the same arrays, so the same values as formed for `phase` alone."""
+    *tiles, gamma = both
+    groups = _by_operand(tiles, _operand_parts(cfg, "both"))
+    picked = [part for group, n in zip(groups, _operand_parts(cfg, phase)) for part in group[:n]]
+    return (*picked, gamma)
 
 
 def _source(cfg, q, k, g, glo, carry, tail, phase):
@@ -1734,18 +1771,19 @@ def _gates_kernel(x_ref, q_ref, k_ref, carry_ref, tail_ref, hi_ref, lo_ref, *out
     lax.fori_loop(0, C, again, (zero, zero))
 
 
-def _gates_and_operands(cfg, q, k, log_decay, carry, tail):
-    """(G hi, G lo, the forward's chunk operands `_source`): by `_gates_kernel` with `cumsum="with_operands"`."""
+def _gates_and_operands(cfg, q, k, log_decay, carry, tail, phase="forward"):
+    """(G hi, G lo, the chunk operands `_source` of `phase`: "forward", or "both" for `backward_operands="saved"`): by
+    `_gates_kernel` with `cumsum="with_operands"`."""
     if cfg.cumsum != "with_operands":
         g, glo = _cumulative(cfg, log_decay)
-        return g, glo, _source(cfg, q, k, g, glo, carry, tail, "forward")
+        return g, glo, _source(cfg, q, k, g, glo, carry, tail, phase)
     if cfg.operands != "stored":
         raise ValueError(f"config.cumsum='with_operands' needs config.operands='stored', got {cfg.operands!r}")
     B, Tp, Hv, K = log_decay.shape
     sp = _chunk_specs(cfg, K, K)
-    shapes = _operand_shapes(cfg, B, Tp, K, "forward")
+    shapes = _operand_shapes(cfg, B, Tp, K, phase)
     g, glo, *src = _chunk_parallel_call(
-        functools.partial(_gates_kernel, cfg=cfg, parts=_operand_parts(cfg, "forward")),
+        functools.partial(_gates_kernel, cfg=cfg, parts=_operand_parts(cfg, phase)),
         grid=(Tp // cfg.chunk_size, B * Hv),
         grid_order=cfg.grid_order,
         in_specs=[sp["channel"], sp["key"], sp["key"], sp["seq"], sp["seq"]],
@@ -1761,26 +1799,47 @@ def _gates_and_operands(cfg, q, k, log_decay, carry, tail):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail)
-    t, p = _prepare(cfg, q, k, g, glo, beta, doc)
-    return tuple(_forward_pass(cfg, src, v, beta, t, p, h0, with_states=False))
+    t, p = _prepare(cfg, q, k, g, glo, beta, doc)  # (also checks the config as given)
+    return tuple(_forward_pass(_primal_config(cfg), src, v, beta, t, p, h0, with_states=False))
 
 
 def _kda_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
-    # Residuals: the inputs, P, T and R (C x C per chunk), the chunk start states (K x V per chunk, fp32 or bf16)
-    # and, with `Config.grads_from_passes`, u's pair.
-    g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail)
+    # Residuals: the inputs, P, T and R (C x C per chunk), the chunk start states (K x V per chunk, fp32 or bf16),
+    # with `Config.grads_from_passes` u's pair, and with `backward_operands="saved"` the backward's stored operands.
+    saved_operands = _saves_backward_operands(cfg)
+    g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail, "both" if saved_operands else "forward")
+    backward_src = _phase_operands(cfg, src, "backward") if saved_operands else None
+    src = _phase_operands(cfg, src, "forward") if saved_operands else src
     t, p, r = _prepare(cfg, q, k, g, glo, beta, doc, with_r=True)
     o, final, starts, u_pair = _forward_pass(cfg, src, v, beta, t, p, h0, with_states=True)
-    return (o, final), (q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, u_pair)
+    return (o, final), (q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, u_pair, backward_src)
+
+
+def _primal_config(cfg):
+    """The config of the forward when not differentiated (`Config.primal_forward`; the Mosaic pass is fused only,
+    so `pass_backend="mosaic"` keeps its config)."""
+    if cfg.primal_forward is None or cfg.pass_backend == "mosaic":
+        return cfg
+    if cfg.primal_forward == "split":
+        return dataclasses.replace(cfg, forward="split", state_storage="fp32")
+    return dataclasses.replace(cfg, forward=cfg.primal_forward)
+
+
+def _saves_backward_operands(cfg):
+    """Whether the forward writes and keeps the backward's stored operands (`Config.backward_operands`)."""
+    if cfg.backward_operands not in BACKWARD_OPERANDS:
+        raise ValueError(f"config.backward_operands must be one of {BACKWARD_OPERANDS}, got "
+                         f"{cfg.backward_operands!r}")
+    # "inline" operands store nothing: their passes form the operands in every step, in either phase.
+    return cfg.backward_operands == "saved" and cfg.operands == "stored"
 
 
 def _kda_bwd(cfg, residuals, cotangents):
-    q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, u_pair = residuals
+    q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, u_pair, src = residuals
     do, dfinal = cotangents
     do = do.astype(v.dtype)
-    # Stored operands are formed again rather than saved: a chunk-parallel kernel, against 3 C x K pairs per chunk
-    # kept alive from the forward to the backward.
-    src = _source(cfg, q, k, g, glo, carry, tail, "backward")
+    if src is None:  # `backward_operands="formed"`: a chunk-parallel kernel instead of tiles kept alive
+        src = _source(cfg, q, k, g, glo, carry, tail, "backward")
     dh0, dends, dx_pair = _reverse_pass(cfg, src, beta, t, p, do, dfinal.astype(F32))
     saved = u_pair + dx_pair if cfg.grads_from_passes else (t, p)
     dq, dk, dv, dbeta, dlog_decay = _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts,
@@ -1825,6 +1884,19 @@ GRAD_K_SPLITS = 2
 # 13.53-13.65 ms; 2x8192x16x128, BV 16 (256 programs) one stage 1.84 / 6.66-6.96, two 2.19 / 7.10, BV 32 (128
 # programs) two stages 1.56 / 6.17.
 NARROW_PASS_STAGES = 2
+# The forward that is not differentiated runs split, with fp32 start states (`Config.primal_forward`), where the
+# passes take V blocks of 16 at one program per SM (bfloat16, `NARROW_PASS_STAGES`), the fused pass forming the
+# output's Q-side products again in each of a head's eight programs. H200, 2026-12-02 (`bench_kda_gpu.py
+# --per_kernel=false`, host-timed, docs/kernels.md, "KDA: the split forward for inference at few heads"):
+# 1x32768x16x128 (BV 16) forward 4.178 / 4.175 ms fused, 3.769 / 3.766 split; 2x8192x16x128 (BV 32) 1.610 fused,
+# 1.794 split, so BV 32 stays fused.
+PRIMAL_SPLIT_BLOCK_V = 16
+
+# The backward takes its stored operands from the forward's (`Config.backward_operands`) rather than forming them
+# again. H200, bf16, 2026-12-02 (docs/kernels.md, "KDA: the backward's operands saved by the forward"):
+# `bench_rules.py` forward+backward 3.79 -> 3.62 ms at 8x2048x16x128 ("mosaic"), 9.92 -> 9.63 at 1x32768x16x128,
+# for 268 MB more residuals at 8x2048x16x128 (four bf16 C x K tiles per chunk and value head).
+BACKWARD_OPERANDS_DEFAULT = "saved"
 
 
 def default_config(q, v, *, scale, chunk_size, segmented, interpret):
@@ -1855,8 +1927,10 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
     block_v = sequential_block_v(batch_heads, V, BLOCK_V, KDA_NARROWEST_BLOCK_V)
     pass_stages = 1
     one_per_sm = one_program_per_sm_block_v(batch_heads, V, KDA_NARROWEST_BLOCK_V)
+    primal_forward = None
     if bf16 and q.shape[3] <= 128 and chunk_size <= 64 and one_per_sm:  # two stages fit (NARROW_PASS_STAGES)
         block_v, pass_stages = one_per_sm, NARROW_PASS_STAGES
+        primal_forward = "split" if block_v == PRIMAL_SPLIT_BLOCK_V else None
     return Config(scale=float(scale), chunk_size=int(chunk_size), key_heads=q.shape[2], value_heads=v.shape[2],
                   segmented=segmented, dots=dots, inverse="rows" if fp32 else "blocks", state_dots=tolerant,
                   grad_k_dots=tolerant, output_dots=dots,
@@ -1867,7 +1941,8 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   operands="stored", pass_stages=pass_stages, block_k=32, pair_block_k=32, reverse_warps=4,
                   cumsum="with_operands", span_limit=SPAN_LIMIT, state_storage="bf16" if bf16 else "fp32",
                   grads_from_passes=dots == "split", grad_k_splits=grad_k_splits,
-                  fused_pair_grads=dots == "split")
+                  fused_pair_grads=dots == "split", backward_operands=BACKWARD_OPERANDS_DEFAULT,
+                  primal_forward=primal_forward)
 
 
 # The Mosaic GPU forward pass (`Config.pass_backend="mosaic"`, Hopper) from this many batch x value-head pairs per
@@ -1892,7 +1967,7 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
         return cfg
     if q.shape[0] * v.shape[2] < MOSAIC_PASS_MIN_BATCH_HEADS:
         return cfg
-    return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic")
+    return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic", primal_forward=None)
 
 
 def _pow2_at_least_16(n):

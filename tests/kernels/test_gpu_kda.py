@@ -414,38 +414,91 @@ def test_decoding_output_is_rounded_once_in_interpreter(T):
     x = _round_trip_bf16(_inputs(T=T, B=2, H=2, Hv=2, K=128, V=128, packed=False, init=True))
     x["scale"] = 128 ** -0.5
     cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=False, interpret=not ON_GPU)
-    assert (cfg.output_dots, cfg.state_dots) == ("split", "bf16")
+    assert (cfg.output_dots, cfg.state_dots, cfg.primal_forward) == ("split", "bf16", "split")
     o_ref, _ = _call(recurrent_scan, dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")}))
     rounding = relative_error(o_ref.astype(jnp.bfloat16), o_ref)
-    errors = {}
-    for dots in ("split", "bf16"):
-        o, _ = _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, output_dots=dots)), x)
-        errors[dots] = relative_error(o, o_ref)
-    print(f"decoding T={T}: rounding {rounding:.2e}, " + " ".join(f"{d}={e:.2e}" for d, e in errors.items()))
-    assert errors["split"] <= 1.15 * rounding, (errors, rounding)
-    assert errors["bf16"] > 1.3 * rounding, (errors, rounding)
+    # the fused pass, and (the default at these 4 heads, V blocks of 16) the split one with fp32 start states
+    for primal in (None, "split"):
+        errors = {}
+        for dots in ("split", "bf16"):
+            config = dataclasses.replace(cfg, output_dots=dots, primal_forward=primal)
+            o, _ = _call(lambda *a, **kw: kda_chunk(*a, **kw, config=config), x)
+            errors[dots] = relative_error(o, o_ref)
+        print(f"decoding T={T} primal_forward={primal}: rounding {rounding:.2e}, "
+              + " ".join(f"{d}={e:.2e}" for d, e in errors.items()))
+        assert errors["split"] <= 1.15 * rounding, (primal, errors, rounding)
+        assert errors["bf16"] > 1.3 * rounding, (primal, errors, rounding)
+
+
+def test_primal_forward_split_with_fp32_states_in_interpreter():
+    """`Config.primal_forward="split"` (the bfloat16 default where the passes take V blocks of 16 at one program per
+    SM): the undifferentiated forward runs the state pass, writing fp32 start states whatever `state_storage` says,
+    then the output kernel; under differentiation the fused pass runs as before. Outputs and final state at the
+    bounds against the scan and equal to the fused forward's up to fp32 summation order (bf16 outputs at most one
+    ulp apart per element); the gradients are those of the fused forward, bit for bit. K = 64, V = 32,
+    documents, an initial state; refused values name the field. Configs with V blocks of 32 (2x8192x16x128 on the
+    H200: the split forward slower) and fp32 inputs keep the fused forward."""
+    x = _round_trip_bf16(_inputs(T=130, B=1, H=1, Hv=2, K=64, V=32))
+    x["scale"] = 64 ** -0.5
+    cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
+    assert (cfg.block_v, cfg.forward, cfg.primal_forward, cfg.state_storage) == (16, "fused", "split", "bf16")
+    results = {}
+    for primal in (None, "split"):
+        fn = lambda *a, primal=primal, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg,
+                                                                                         primal_forward=primal))
+        _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"primal_forward={primal}")
+        results[primal] = (_call(fn, x), _grads(fn, x))
+        names = [name for name, _ in _kernel_calls_of_forward(fn, x)]
+        assert ("kda_state_pass" in names and "kda_output" in names) == (primal == "split"), names
+        assert ("kda_forward" in names) == (primal is None), names
+        assert "kda_forward" in [name for name, _ in _kernel_calls(fn, x)]  # differentiated: the fused pass
+        if primal == "split":
+            states = [dtypes for name, dtypes in _kernel_calls_of_forward(fn, x) if name == "kda_state_pass"]
+            assert states and states[0][1] == jnp.float32, states  # (final state, start states)
+    _assert_equal_up_to_16_bit_rounding(results[None][0], results["split"][0])
+    for a, b in zip(jax.tree.leaves(results[None][1]), jax.tree.leaves(results["split"][1])):
+        assert bool(jnp.all(a == b)), (a.shape, a.dtype)
+    with pytest.raises(ValueError, match="primal_forward"):
+        _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, primal_forward="halves")), x)
+    wide = default_config(jnp.zeros((2, 64, 16, 128), jnp.bfloat16), jnp.zeros((2, 64, 16, 128), jnp.bfloat16),
+                          scale=0.1, chunk_size=64, segmented=False, interpret=False)
+    fp32 = default_config(x["q"].astype(jnp.float32), x["v"], scale=0.1, chunk_size=64, segmented=True,
+                          interpret=False)
+    assert (wide.block_v, wide.primal_forward, fp32.primal_forward) == (32, None, None)
+
+
+def _pallas_calls(jaxpr):
+    """[(Pallas kernel name, its output dtypes)] in order for every `pallas_call` in a jaxpr, nested ones included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append((str(eqn.params["name"]), [var.aval.dtype for var in eqn.outvars]))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    found += _pallas_calls(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    found += _pallas_calls(sub)
+    return found
+
+
+def _kernel_calls(fn, x):
+    """`_pallas_calls` of the gradient of fn's output (w.r.t. q, k, v) on inputs x."""
+    names = [n for n in ARG_NAMES if x[n] is not None]
+    loss = lambda *args: jnp.sum(_call_eager(fn, dict(x, **dict(zip(names, args))))[0].astype(jnp.float32))
+    return _pallas_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*[x[n] for n in names]).jaxpr)
+
+
+def _kernel_calls_of_forward(fn, x):
+    """`_pallas_calls` of fn's undifferentiated forward on inputs x."""
+    arrays = {n: a for n, a in x.items() if isinstance(a, jax.Array)}
+    static = {n: a for n, a in x.items() if n not in arrays}
+    return _pallas_calls(jax.make_jaxpr(lambda a: _call_eager(fn, dict(static, **a)))(arrays).jaxpr)
 
 
 def _kernel_output_dtypes(fn, x):
-    """{Pallas kernel name: its output dtypes} for every `pallas_call` in the jaxpr of the gradient of fn's output
-    (w.r.t. q, k, v) on inputs x, nested ones included."""
-    names = [n for n in ARG_NAMES if x[n] is not None]
-    loss = lambda *args: jnp.sum(_call_eager(fn, dict(x, **dict(zip(names, args))))[0].astype(jnp.float32))
-    found = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                found[str(eqn.params["name"])] = [var.aval.dtype for var in eqn.outvars]
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (list, tuple)) else [param]:
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*[x[n] for n in names]).jaxpr)
-    return found
+    """{Pallas kernel name: its output dtypes} of `_kernel_calls` (the last call of each name)."""
+    return dict(_kernel_calls(fn, x))
 
 
 def test_bf16_saved_states_change_only_the_products_that_read_them_finer():
@@ -495,6 +548,42 @@ def test_operands_written_with_the_cumsum_equal_the_operand_kernel():
     with pytest.raises(ValueError, match="with_operands"):
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(
             cfg, operands="inline", cumsum="with_operands")), x)
+
+
+@pytest.mark.parametrize("dtype,cumsum", [("bfloat16", "with_operands"), ("bfloat16", "kernel"),
+                                          ("float32", "with_operands")])
+def test_backward_operands_saved_equal_formed_in_interpreter(dtype, cumsum):
+    """`Config.backward_operands="saved"`: the forward's operand kernel (`_gates_kernel` with "with_operands", else
+    `_operands_kernel`) also writes A (.) K's lo half, and the backward takes its four tiles from the forward's
+    instead of running `_operands_kernel` again. The same operations on the same numbers, so outputs and gradients
+    are those of "formed" (bounded as `test_operands_written_with_the_cumsum_equal_the_operand_kernel` bounds the
+    two kernels' values), and both at the bounds against the scan. bf16 inputs (six tiles written, four read back)
+    and fp32 (three fp32 tiles, the same in both phases); K = 64, documents, an initial state, two value heads per
+    key head. With "inline" operands (nothing stored) the option does nothing; unknown values are refused."""
+    x = _inputs(T=130, B=1, H=1, Hv=2, K=64, V=32)
+    x = dict(x, **{n: x[n].astype(dtype) for n in ("q", "k", "v")})
+    x["scale"] = 64 ** -0.5
+    cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
+    cfg = dataclasses.replace(cfg, cumsum=cumsum)
+    bf16 = dtype == "bfloat16"
+    assert kda_module._operand_parts(cfg, "both") == ((2, 2, 2) if bf16 else (1, 1, 1))
+    results = []
+    for where in ("formed", "saved"):
+        fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, backward_operands=where))
+        _check(x, BF16_OUT_TOL if bf16 else FP32_OUT_TOL, _bf16_grad_tol if bf16 else _fp32_grad_tol, fn=fn,
+               label=f"backward_operands={where}-{dtype}-{cumsum}")
+        results.append(jax.tree.leaves((_call(fn, x), _grads(fn, x))))
+        calls = _kernel_calls(fn, x)
+        operand_calls = [dtypes for name, dtypes in calls if name in ("kda_gates", "kda_operands")]
+        # the forward's operand kernel (the first), then with "formed" the backward's `_operands_kernel`
+        assert len(operand_calls) == (1 if where == "saved" else 2), calls
+        # tiles of C x K (and gamma, fp32) written by the forward's: 5 bf16 alone, 6 with the backward's lo half
+        tiles = len(operand_calls[0]) - 1 - 2 * (cumsum == "with_operands")  # `_gates_kernel` also writes G hi, lo
+        assert tiles == ((6 if where == "saved" else 5) if bf16 else 3), operand_calls[0]
+    for a, b in zip(*results):
+        assert relative_error(a.astype(jnp.float32), b.astype(jnp.float32)) <= 1e-6, (a.dtype, a.shape)
+    with pytest.raises(ValueError, match="backward_operands"):
+        _grads(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, backward_operands="kept")), x)
 
 
 @pytest.mark.parametrize("forward", ["fused", "split"])
@@ -814,25 +903,33 @@ def _lower_for_cuda(K, V, dtype, *, T=130, segmented=True, init=True, overrides=
     return tuple(counts) + tuple(name in text for name in kernel_names)
 
 
-def _expected_kernels(overrides=None):
-    """(Triton calls in the forward, in the forward + gradients). Forward: the gates' cumsum, prepare, the stored
-    operands, the forward pass. With gradients: cumsum, prepare, operands, forward pass with states, operands again
-    (formed, not saved), reverse pass, the V and the pair gradient kernels. "inline" operands drop the operand
-    kernels; the "split" forward is two kernels (state pass, then output); the XLA cumsum is no kernel."""
-    cfg = dict(_SHIPPED, **(overrides or {}))
+def _expected_kernels(overrides=None, *, K=128, V=128, dtype=jnp.bfloat16):
+    """(Triton calls in the forward, in the forward + gradients) of `_lower_for_cuda` with these K, V, dtype and
+    config overrides. Forward: the gates' cumsum, prepare, the stored operands, the forward pass. With gradients:
+    cumsum, prepare, operands, forward pass with states, operands again (where formed, not saved), reverse pass, the
+    V and the pair gradient kernels. "inline" operands drop the operand kernels; the "split" forward is two kernels
+    (state pass, then output), in the forward alone where only the undifferentiated forward runs split
+    (`primal_forward`); the XLA cumsum is no kernel."""
+    cfg = dict(_shipped(K, V, dtype), **(overrides or {}))
     fwd, both = (3, 7) if cfg["operands"] == "stored" else (2, 5)
-    fwd, both = (fwd + 1, both + 1) if cfg["forward"] == "split" else (fwd, both)
+    fwd += (cfg["primal_forward"] or cfg["forward"]) == "split"
+    both += cfg["forward"] == "split"
     # With a span limit, prepare and the pair kernel are each lowered twice, with and without the sub-chunk scheme
     # (`kda._when_all_bounded` picks one at run time).
     twice = cfg["span_limit"] is not None and cfg["call_span_check"]
     fwd, both = (fwd + 1, both + 2) if twice else (fwd, both)
+    # "saved" backward operands: the forward's operand kernel also writes the backward's, which runs none.
+    both = both - 1 if cfg["operands"] == "stored" and cfg["backward_operands"] == "saved" else both
     # "with_operands": one kernel writes the cumsum and the forward's operands (in place of the operand kernel).
     return (fwd + 1, both + 1) if cfg["cumsum"] == "kernel" else (fwd, both)
 
 
-_SHIPPED = {name: getattr(default_config(jnp.zeros((1, 64, 1, 128), jnp.bfloat16), jnp.zeros((1, 64, 1, 128),
-                                         jnp.bfloat16), scale=0.1, chunk_size=64, segmented=False, interpret=False),
-                          name) for name in ("operands", "forward", "cumsum", "span_limit", "call_span_check")}
+def _shipped(K, V, dtype):
+    """The fields of the default config that `_expected_kernels` counts by, for `_lower_for_cuda`'s shapes."""
+    cfg = default_config(jnp.zeros((1, 64, 2, K), dtype), jnp.zeros((1, 64, 4, V), dtype), scale=0.1, chunk_size=64,
+                         segmented=False, interpret=False)
+    return {name: getattr(cfg, name) for name in ("operands", "forward", "cumsum", "span_limit", "call_span_check",
+                                                   "backward_operands", "primal_forward")}
 
 
 def test_passes_pipeline_two_stages_only_where_shared_memory_fits():
@@ -861,7 +958,8 @@ def test_passes_pipeline_two_stages_only_where_shared_memory_fits():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_lowers_for_cuda_every_supported_config(dtype):
     for K, V in itertools.product(pallas_gpu.KDA_HEAD_DIMS, repeat=2):
-        assert _lower_for_cuda(K, V, jnp.dtype(dtype)) == _expected_kernels(), (K, V, dtype)
+        assert _lower_for_cuda(K, V, jnp.dtype(dtype)) == _expected_kernels(K=K, V=V, dtype=jnp.dtype(dtype)), (
+            K, V, dtype)
 
 
 def test_lowers_for_cuda_flags():
@@ -889,6 +987,9 @@ CONFIG_VARIANTS = {
     "cumsum_xla": dict(cumsum="xla"),
     "cumsum_kernel": dict(cumsum="kernel"),
     "gates_with_operands": dict(cumsum="with_operands"),
+    "backward_operands_saved": dict(backward_operands="saved"),
+    "backward_operands_formed": dict(backward_operands="formed"),
+    "backward_operands_saved_cumsum_kernel": dict(backward_operands="saved", cumsum="kernel"),
     "partner_rows_gathered": dict(partner_rows="gathered"),
     "all_split": ALL_SPLIT,
     "states_fp32": dict(state_storage="fp32"),
@@ -905,14 +1006,16 @@ CONFIG_VARIANTS = {
 def test_lowers_for_cuda_config_variants(variant):
     overrides = CONFIG_VARIANTS[variant]
     for dtype in (jnp.bfloat16, jnp.float32):
-        assert _lower_for_cuda(128, 128, dtype, T=64, overrides=overrides) == _expected_kernels(overrides), dtype
+        assert _lower_for_cuda(128, 128, dtype, T=64, overrides=overrides) == _expected_kernels(overrides,
+                                                                                                dtype=dtype), dtype
 
 
 def test_split_forward_lowers_for_cuda_every_supported_config():
     split = dict(forward="split")
     for (K, V), dtype in itertools.product(itertools.product(pallas_gpu.KDA_HEAD_DIMS, repeat=2),
                                            (jnp.bfloat16, jnp.float32)):
-        assert _lower_for_cuda(K, V, dtype, overrides=split) == _expected_kernels(split), (K, V, dtype)
+        assert _lower_for_cuda(K, V, dtype, overrides=split) == _expected_kernels(split, K=K, V=V, dtype=dtype), (
+            K, V, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------

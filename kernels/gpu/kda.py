@@ -1806,10 +1806,12 @@ def _kda(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
 def _kda_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     # Residuals: the inputs, P, T and R (C x C per chunk), the chunk start states (K x V per chunk, fp32 or bf16),
     # with `Config.grads_from_passes` u's pair, and with `backward_operands="saved"` the backward's stored operands.
-    saved_operands = _saves_backward_operands(cfg)
-    g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail, "both" if saved_operands else "forward")
-    backward_src = _phase_operands(cfg, src, "backward") if saved_operands else None
-    src = _phase_operands(cfg, src, "forward") if saved_operands else src
+    backward_src = None
+    if _saves_backward_operands(cfg):
+        g, glo, both = _gates_and_operands(cfg, q, k, log_decay, carry, tail, "both")
+        src, backward_src = (_phase_operands(cfg, both, phase) for phase in ("forward", "backward"))
+    else:
+        g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail)
     t, p, r = _prepare(cfg, q, k, g, glo, beta, doc, with_r=True)
     o, final, starts, u_pair = _forward_pass(cfg, src, v, beta, t, p, h0, with_states=True)
     return (o, final), (q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, u_pair, backward_src)
@@ -1967,7 +1969,7 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
         return cfg
     if q.shape[0] * v.shape[2] < MOSAIC_PASS_MIN_BATCH_HEADS:
         return cfg
-    return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic", primal_forward=None)
+    return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic")
 
 
 def _pow2_at_least_16(n):

@@ -13,12 +13,17 @@ Times `wy_chunk._inverse` (T of every chunk, fp32) with the kernel body swapped 
 - the off-diagonal blocks: "ieee" (the kernel's, 16 IEEE fp32 16 x 16 x 16 products), "split" (`_exact_dot`), and
   the ablation "none" (zeros).
 
+A variant named `method=NAME` times a method of `wy_chunk.INVERSE_METHODS` as it ships (with `--pair`, writing T's
+bf16 pair as the Mosaic forward pass reads it).
+
 Ablations compute a wrong T: their rows only say what the skipped step costs. The other rows also print T's largest
 relative error (per 16-row block, Frobenius) against an fp64 inverse of the same A, on correlated keys with beta
 near 2, where fp32 substitution and merges differ most.
 """
 
 from __future__ import annotations
+
+import functools
 
 from absl import app, flags
 import jax
@@ -33,6 +38,8 @@ flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = D, Hv = H).")
 flags.DEFINE_list("variants", ["substitute/ieee", "together/ieee", "unrolled/ieee", "none/ieee", "substitute/none",
                                "together/none", "none/none", "together/split"], "diagonal/off-diagonal.")
 flags.DEFINE_list("warps", ["1"], "Warps per program.")
+flags.DEFINE_bool("pair", False, "Time T written as its bf16 pair (what the Mosaic forward pass reads) instead of "
+                  "fp32 T (errors are always of fp32 T).")
 flags.DEFINE_integer("iters", 50, "Calls per timed queue (`_timing.time_ms`).")
 flags.DEFINE_enum("timing", "marginal", sorted(_timing.METHODS), "How calls are timed (`_timing.time_ms`).")
 flags.DEFINE_bool("interpret", False, "Pallas interpreter (a CPU smoke test).")
@@ -170,14 +177,17 @@ def main(argv):
             for warps in FLAGS.warps:
                 cfg = wy_chunk.default_config(k, k, scale=D ** -0.5, chunk_size=64, delta=True, segmented=False,
                                               interpret=FLAGS.interpret)
-                cfg = wy_chunk.replace_config(cfg, inverse_method="blocks16", inverse_warps=int(warps))
-                wy_chunk._inverse_blocks16 = make_body(*name.split("/"))
+                if name.startswith("method="):  # a shipped method as it is (`wy_chunk.INVERSE_METHODS`)
+                    cfg = wy_chunk.replace_config(cfg, inverse_method=name[len("method="):], inverse_warps=int(warps))
+                else:
+                    cfg = wy_chunk.replace_config(cfg, inverse_method="blocks16", inverse_warps=int(warps))
+                    wy_chunk._inverse_blocks16 = make_body(*name.split("/"))
                 try:
-                    def run(k, beta, log_decay, cfg=cfg):
+                    def run(k, beta, log_decay, cfg=cfg, pair=False):
                         g = wy_chunk._in_chunk_cumsum(cfg, log_decay)
                         doc = jnp.zeros(k.shape[:2], jnp.int32)
-                        return wy_chunk._inverse(cfg, k, beta, g, doc, pair=False, fp32=True)
-                    fn = jax.jit(run)
+                        return wy_chunk._inverse(cfg, k, beta, g, doc, pair=pair, fp32=not pair)
+                    fn = jax.jit(functools.partial(run, pair=FLAGS.pair))
                     ms = _timing.time_ms(fn, k, beta, log_decay, iters=FLAGS.iters, method=FLAGS.timing)
                     ccfg = wy_chunk.replace_config(cfg, key_heads=2, value_heads=2)
                     t = jax.jit(lambda *a: run(*a, cfg=ccfg))(ck, cbeta, clog)

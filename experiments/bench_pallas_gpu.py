@@ -135,6 +135,7 @@ VARIANTS = {
     "inv_batched16_warps2": dict(inverse_method="batched16", inverse_warps=2),
     "inv_batched16_warps4": dict(inverse_method="batched16", inverse_warps=4),
     "inv_batched16_warps8": dict(inverse_method="batched16", inverse_warps=8),
+    "inv_blocks16_from_a": dict(inverse_method="blocks16_from_a", inverse_warps=1),
     "grad_warps2": dict(grad_warps=2),
     # Gradient methods (wy_chunk.GRAD_METHODS), every field given (the defaults differ by method); "fused" with
     # grad_block_k < K recomputes the V-local terms per K block. Measured: docs/kernels.md.

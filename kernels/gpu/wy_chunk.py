@@ -18,9 +18,13 @@ Linear attention is u = V. Kernels, in the order they run:
   another by forward substitution (4 x 15 serial steps), then T_ij = -T_ii sum_m A_im T_mj in exact SUB x SUB
   dots.
   "batched16": A by halves of the chunk (three C/2 x C/2 x K dots), the 4 diagonal blocks inverted side by side
-  in one loop of 15 steps, merged 16 -> 32 inside each half and 32 -> 64 with C/2 x C/2 dots. Both are exact
+  in one loop of 15 steps, merged 16 -> 32 inside each half and 32 -> 64 with C/2 x C/2 dots. All are exact
   (IEEE fp32 products, or for 16-bit inputs exact 3-way bf16 splits, `_exact_dot`); their H100 times are in
   docs/kernels.md.
+  "blocks16_from_a" (opt-in): two kernels, `_scores_a_kernel` (A from one C x C x K product, 4 warps, stored in
+  fp32), then `_inverse_from_a_kernel` (blocks16's substitutions and exact products, block column by block
+  column, loading A's rows and blocks where it needs them): fewer registers than "blocks16" (168 against 255 on
+  the H200) for ~2% less time, measured in docs/kernels.md.
 - The sequential pass over chunks, grid (V/BV, B*Hv), with the fp32 state block S[:, BV] in registers
   (`Config.output_method`): "fused", `_forward_kernel`: (3)-(6) fused; writes O and the final state (and, for the
   backward, every chunk's start state and u). "split" (the default when the passes have at most two programs per
@@ -86,7 +90,7 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 HIGHEST = lax.Precision.HIGHEST
 GRAD_METHODS = ("fused", "staged", "merged")
-INVERSE_METHODS = ("blocks16", "batched16")
+INVERSE_METHODS = ("blocks16", "batched16", "blocks16_from_a")
 INVERSE_STORAGES = ("fp32", "split")
 ROUNDING_GRAD_METHODS = ("staged", "merged")  # whose state products take `grad_k_dots` (bf16 states possible)
 STATE_STORAGES = ("fp32", "bf16")
@@ -362,6 +366,53 @@ def _inverse_kernel(k_ref, beta_ref, g_ref, doc_ref, *t_refs, cfg: Config):
         raise ValueError(f"inverse_method must be one of {INVERSE_METHODS}, got {cfg.inverse_method!r}")
 
 
+def _scores_a_kernel(k_ref, beta_ref, g_ref, doc_ref, a_ref, *, cfg: Config):
+    """(1) of one chunk for `inverse_method="blocks16_from_a"`: A = diag(beta) (K K^T (.) exp(G_t - G_s)), strictly
+    lower and same-document, from one C x C x K product; the elementwise operations of `_inverse_blocks16` on the
+    same numbers."""
+    mask = _chunk_mask(doc_ref[...], cfg.chunk_size, True, cfg.segmented)
+    k = k_ref[...]
+    a_ref[...] = beta_ref[...][:, None] * _dot(k, k, tb=True) * _pair_decay(_gates(g_ref), _gates(g_ref), mask)
+
+
+def _substitute_from_rows(a_ref, block):
+    """(I + A_bb)^-1 of the diagonal SUB x SUB block `block` (a slice) of the stored A, by the forward substitution
+    of `common.unit_lower_inverse`, with row i of the block loaded from `a_ref` rather than extracted from a value
+    by a masked reduction: the loads do not depend on the loop's carry, so only one reduction per step is on the
+    serial chain."""
+    rows, cols = _iota2(SUB, SUB, 0), _iota2(SUB, SUB, 1)
+
+    def step(i, x):
+        a_i = a_ref[block.start + i, block]  # row i of the block (zero from column i on)
+        row_i = jnp.sum(a_i[:, None] * x, axis=0)
+        return x - jnp.where(rows == i, row_i[None, :], 0.0)
+
+    return lax.fori_loop(1, SUB, step, jnp.where(rows == cols, 1.0, 0.0).astype(F32))
+
+
+def _inverse_from_a_kernel(a_ref, *t_refs, fp32: bool):
+    """(2) of one chunk for `inverse_method="blocks16_from_a"`, from the stored A: the diagonal blocks by forward
+    substitution first, then T block column by block column, T_ij = -T_ii sum_{j <= m < i} A_im T_mj (the sums and
+    exact SUB x SUB products of `_inverse_blocks16`, in the same order). Column by column only the diagonal
+    inverses and one column of T are live, and A's blocks are loaded where a product needs them, with no key tiles:
+    168 registers on the H200, 12 programs per SM, where "blocks16" (row by row, all of T live) takes 255 and 8,
+    and the same kernel row by row 227 and 8 (docs/kernels.md)."""
+    exact = functools.partial(_exact_dot, fp32=fp32)
+    nb = a_ref.shape[0] // SUB
+    blocks = [slice(i * SUB, (i + 1) * SUB) for i in range(nb)]
+    diagonal = [_substitute_from_rows(a_ref, blocks[i]) for i in range(nb)]
+    zero = jnp.zeros((SUB, SUB), F32)
+    for j in range(nb):
+        column = {j: diagonal[j]}
+        for i in range(j + 1, nb):
+            acc = exact(a_ref[blocks[i], blocks[j]], column[j])
+            for m in range(j + 1, i):
+                acc = acc + exact(a_ref[blocks[i], blocks[m]], column[m])
+            column[i] = -exact(diagonal[i], acc)
+        for i in range(nb):
+            _store_inverse(t_refs, blocks[i], blocks[j], column.get(i, zero))
+
+
 def _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
     """T of eq. (2) by halves of the chunk (h = C/2 rows): A_11, A_22 and A_21 from three h x h x K dots, the 2h/SUB
     diagonal SUB-blocks of both halves inverted side by side (`_block_diagonal_inverses`, SUB - 1 serial steps in
@@ -443,15 +494,42 @@ def _inverse(cfg, k, beta, g, doc, *, pair=False, fp32=True):
     head = lambda t, bh: (bh // Hv, t, bh % Hv, 0)
     gate = lambda t, bh: (bh // Hv, t, bh % Hv)
     seq = lambda t, bh: (bh // Hv, t)
+    in_specs = [pl.BlockSpec((None, C, None, K), key), pl.BlockSpec((None, C, None), gate),
+                pl.BlockSpec((2, None, C, None), lambda t, bh: (0,) + gate(t, bh)), pl.BlockSpec((None, C), seq)]
+    out_specs = ([inverse_spec(cfg, head)] if fp32 else []) + ([inverse_spec(cfg, head, pair=True)] if pair else [])
+    out_shape = ([jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)] if fp32 else []) + (
+        [jax.ShapeDtypeStruct((2, B, Tp, Hv, C), BF16)] if pair else [])
+    if cfg.inverse_method == "blocks16_from_a":
+        a = _chunk_parallel_call(
+            functools.partial(_scores_a_kernel, cfg=cfg),
+            grid=(Tp // C, B * Hv),
+            grid_order=cfg.grid_order,
+            in_specs=in_specs,
+            out_specs=inverse_spec(cfg, head),
+            out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, C), F32),
+            compiler_params=_params(SCORES_A_WARPS, cfg.stages),
+            interpret=cfg.interpret,
+            name="wy_inverse_scores",
+        )(k, beta, g, doc)
+        out = _chunk_parallel_call(
+            functools.partial(_inverse_from_a_kernel, fp32=k.dtype == F32),
+            grid=(Tp // C, B * Hv),
+            grid_order=cfg.grid_order,
+            in_specs=[inverse_spec(cfg, head)],
+            out_specs=out_specs,
+            out_shape=out_shape,
+            compiler_params=_params(cfg.inverse_warps, cfg.stages),
+            interpret=cfg.interpret,
+            name="wy_inverse",
+        )(a)
+        return tuple(out) if len(out) == 2 else out[0]
     out = _chunk_parallel_call(
         functools.partial(_inverse_kernel, cfg=cfg),
         grid=(Tp // C, B * Hv),
         grid_order=cfg.grid_order,
-        in_specs=[pl.BlockSpec((None, C, None, K), key), pl.BlockSpec((None, C, None), gate),
-                  pl.BlockSpec((2, None, C, None), lambda t, bh: (0,) + gate(t, bh)), pl.BlockSpec((None, C), seq)],
-        out_specs=([inverse_spec(cfg, head)] if fp32 else []) + ([inverse_spec(cfg, head, pair=True)] if pair else []),
-        out_shape=([jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)] if fp32 else [])
-        + ([jax.ShapeDtypeStruct((2, B, Tp, Hv, C), BF16)] if pair else []),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_params(cfg.inverse_warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_inverse",
@@ -1371,12 +1449,16 @@ GRAD_BLOCKS = {"fused": (32, None, 4), "staged": (64, 128, 8), "merged": (32, No
 # Inverse kernel alone on the H100, 8x2048x16x128 bf16 (docs/kernels.md): "blocks16" 0.61 ms at 4 warps, 0.25 at 1;
 # "batched16" 0.26-0.28 at 1-2 warps, the same within the run-to-run spread. The warps were the gain.
 INVERSE_METHOD = "blocks16"
+# "blocks16_from_a" (A by its own 4-warp kernel, T from the stored A) stays opt-in: on the H200 (2026-12-03,
+# docs/kernels.md) 0.139-0.140 against 0.140-0.143 ms at 8x2048x16x128 for T's pair, no gain resolvable in the
+# forward (0.374-0.375 against 0.375-0.378 ms with impl="mosaic"), and A's C x C fp32 tiles (67 MB there) besides.
 # fp32 inputs ask for fp32 exactness: the merges of "batched16" keep T about twice as accurate as the block
 # substitution of "blocks16" when keys are correlated and beta is near 2 (off-diagonal blocks of T 2.6e-6 to 5.9e-6
 # from an fp64 inverse against 4.2e-6 to 1.0e-5; fp32 outputs 6.0e-6 from the scan's at worst over 30 draws of the
 # adversarial test inputs, against 2.0e-5). 16-bit inputs keep the faster "blocks16" (docs/kernels.md).
 FP32_INVERSE_METHOD = "batched16"
 INVERSE_WARPS = 1
+SCORES_A_WARPS = 4  # the A kernel of "blocks16_from_a": one C x C x K product and elementwise work per chunk
 # For 16-bit inputs (float32 inputs always get IEEE fp32 products); see docs/kernels.md for what each choice
 # measured against the fp32 scan and on the H100. With bfloat16 inputs, K S_0 / K dS (STATE_DOTS) and part 2's
 # S_0 / dS_end / dA products (GRAD_K_DOTS) take plain bf16 operands (float16 inputs keep "split" there): every

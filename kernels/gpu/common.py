@@ -153,17 +153,23 @@ def last(x):
 
 def unit_lower_inverse(a):
     """(I + a)^-1 for a strictly lower n x n fp32 matrix, by forward substitution row by row (exact fp32; never a
-    Neumann series or doubling, whose powers of a overflow for correlated keys).
+    Neumann series or doubling, whose powers of a overflow for correlated keys). Row i of a is taken by a masked
+    sum (exact: one term and zeros), since Triton slices no values."""
+    rows = iota2(*a.shape, 0)
+    return unit_lower_inverse_by_rows(a.shape[0], lambda i: jnp.sum(jnp.where(rows == i, a, 0.0), axis=0))
+
+
+def unit_lower_inverse_by_rows(n, row):
+    """`unit_lower_inverse` of the strictly lower n x n matrix whose row i is `row(i)` (an (n,) fp32 value, e.g.
+    loaded from a ref, so that it does not depend on the loop's carry).
 
     Invariant: after step i, rows 0..i of x are rows of the inverse; rows below are still identity rows, and
     a[i, j] = 0 for j >= i, so they never contribute to row i.
     """
-    n = a.shape[0]
     rows, cols = iota2(n, n, 0), iota2(n, n, 1)
 
     def step(i, x):
-        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # a[i, :]
-        row_i = jnp.sum(a_i[:, None] * x, axis=0)  # sum_j a[i, j] x[j, :]
+        row_i = jnp.sum(row(i)[:, None] * x, axis=0)  # sum_j a[i, j] x[j, :]
         return x - jnp.where(rows == i, row_i[None, :], 0.0)
 
     return lax.fori_loop(1, n, step, jnp.where(rows == cols, 1.0, 0.0).astype(F32))

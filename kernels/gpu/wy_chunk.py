@@ -82,6 +82,7 @@ from deltajax.kernels.gpu.common import split_bf16 as _split_bf16
 from deltajax.kernels.gpu.common import split3_bf16
 from deltajax.kernels.gpu.common import split_pair_dot as _split_pair_dot
 from deltajax.kernels.gpu.common import unit_lower_inverse as _unit_lower_inverse
+from deltajax.kernels.gpu.common import unit_lower_inverse_by_rows as _unit_lower_inverse_by_rows
 from deltajax.rules.chunk import CumulativeLogDecay
 from deltajax.rules.common import document_index
 
@@ -375,21 +376,6 @@ def _scores_a_kernel(k_ref, beta_ref, g_ref, doc_ref, a_ref, *, cfg: Config):
     a_ref[...] = beta_ref[...][:, None] * _dot(k, k, tb=True) * _pair_decay(_gates(g_ref), _gates(g_ref), mask)
 
 
-def _substitute_from_rows(a_ref, block):
-    """(I + A_bb)^-1 of the diagonal SUB x SUB block `block` (a slice) of the stored A, by the forward substitution
-    of `common.unit_lower_inverse`, with row i of the block loaded from `a_ref` rather than extracted from a value
-    by a masked reduction: the loads do not depend on the loop's carry, so only one reduction per step is on the
-    serial chain."""
-    rows, cols = _iota2(SUB, SUB, 0), _iota2(SUB, SUB, 1)
-
-    def step(i, x):
-        a_i = a_ref[block.start + i, block]  # row i of the block (zero from column i on)
-        row_i = jnp.sum(a_i[:, None] * x, axis=0)
-        return x - jnp.where(rows == i, row_i[None, :], 0.0)
-
-    return lax.fori_loop(1, SUB, step, jnp.where(rows == cols, 1.0, 0.0).astype(F32))
-
-
 def _inverse_from_a_kernel(a_ref, *t_refs, fp32: bool):
     """(2) of one chunk for `inverse_method="blocks16_from_a"`, from the stored A: the diagonal blocks by forward
     substitution first, then T block column by block column, T_ij = -T_ii sum_{j <= m < i} A_im T_mj (the sums and
@@ -400,7 +386,8 @@ def _inverse_from_a_kernel(a_ref, *t_refs, fp32: bool):
     exact = functools.partial(_exact_dot, fp32=fp32)
     nb = a_ref.shape[0] // SUB
     blocks = [slice(i * SUB, (i + 1) * SUB) for i in range(nb)]
-    diagonal = [_substitute_from_rows(a_ref, blocks[i]) for i in range(nb)]
+    # Row r of a diagonal block is loaded, not extracted by a masked reduction: off the substitution's serial chain.
+    diagonal = [_unit_lower_inverse_by_rows(SUB, lambda r, b=b: a_ref[b.start + r, b]) for b in blocks]
     zero = jnp.zeros((SUB, SUB), F32)
     for j in range(nb):
         column = {j: diagonal[j]}
@@ -499,41 +486,18 @@ def _inverse(cfg, k, beta, g, doc, *, pair=False, fp32=True):
     out_specs = ([inverse_spec(cfg, head)] if fp32 else []) + ([inverse_spec(cfg, head, pair=True)] if pair else [])
     out_shape = ([jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)] if fp32 else []) + (
         [jax.ShapeDtypeStruct((2, B, Tp, Hv, C), BF16)] if pair else [])
+    call = functools.partial(_chunk_parallel_call, grid=(Tp // C, B * Hv), grid_order=cfg.grid_order,
+                             interpret=cfg.interpret)
+    inverse = functools.partial(call, out_specs=out_specs, out_shape=out_shape,
+                                compiler_params=_params(cfg.inverse_warps, cfg.stages), name="wy_inverse")
     if cfg.inverse_method == "blocks16_from_a":
-        a = _chunk_parallel_call(
-            functools.partial(_scores_a_kernel, cfg=cfg),
-            grid=(Tp // C, B * Hv),
-            grid_order=cfg.grid_order,
-            in_specs=in_specs,
-            out_specs=inverse_spec(cfg, head),
-            out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, C), F32),
-            compiler_params=_params(SCORES_A_WARPS, cfg.stages),
-            interpret=cfg.interpret,
-            name="wy_inverse_scores",
-        )(k, beta, g, doc)
-        out = _chunk_parallel_call(
-            functools.partial(_inverse_from_a_kernel, fp32=k.dtype == F32),
-            grid=(Tp // C, B * Hv),
-            grid_order=cfg.grid_order,
-            in_specs=[inverse_spec(cfg, head)],
-            out_specs=out_specs,
-            out_shape=out_shape,
-            compiler_params=_params(cfg.inverse_warps, cfg.stages),
-            interpret=cfg.interpret,
-            name="wy_inverse",
-        )(a)
-        return tuple(out) if len(out) == 2 else out[0]
-    out = _chunk_parallel_call(
-        functools.partial(_inverse_kernel, cfg=cfg),
-        grid=(Tp // C, B * Hv),
-        grid_order=cfg.grid_order,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_params(cfg.inverse_warps, cfg.stages),
-        interpret=cfg.interpret,
-        name="wy_inverse",
-    )(k, beta, g, doc)
+        a = call(functools.partial(_scores_a_kernel, cfg=cfg), in_specs=in_specs, out_specs=inverse_spec(cfg, head),
+                 out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, C), F32),
+                 compiler_params=_params(SCORES_A_WARPS, cfg.stages), name="wy_inverse_scores")(k, beta, g, doc)
+        out = inverse(functools.partial(_inverse_from_a_kernel, fp32=k.dtype == F32),
+                      in_specs=[inverse_spec(cfg, head)])(a)
+    else:
+        out = inverse(functools.partial(_inverse_kernel, cfg=cfg), in_specs=in_specs)(k, beta, g, doc)
     return tuple(out) if len(out) == 2 else out[0]
 
 

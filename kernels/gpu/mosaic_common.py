@@ -111,14 +111,6 @@ def pair_decay(g_hi, g_lo, g_hi_c, g_lo_c, causal, c, *, transposed=False):
     return wgmma_layout(jnp.exp(jnp.where(causal, diff, -jnp.inf)))
 
 
-def prefetch_chunk(refs, rows, chunk, exists):
-    """Asks L2 for chunk `chunk`'s tile of each GMEM ref in `refs` (leading dimension chunk-major: `rows` per chunk,
-    the ref's rows for a name, or the chunk length), unless `exists` is false. A sequential pass whose TMA pipeline
-    holds one or two chunks waits out each chunk's copies; asked a few chunks ahead, they come from L2."""
-    for ref, n in zip(refs, rows):
-        plgpu.async_prefetch(ref.at[pl.ds(chunk * n, n)], predicate=exists)
-
-
 def run_roles(roles, wg, threads):
     """Traces the warpgroups' roles, each a function returning a generator that yields between its steps: with two
     Pallas threads role w runs on warpgroup w (`wg`, the thread index); with one, that warpgroup runs every role in

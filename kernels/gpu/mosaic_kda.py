@@ -43,10 +43,6 @@ CHUNK = 64
 HEAD_DIM = 128
 BLOCK_VS = (32, 64)
 STAGES = 1  # chunks in flight in the TMA pipeline: two stages do not fit SMEM (module docstring)
-# The passes ask L2 for the inputs of the chunk this many steps ahead (`mosaic_common.prefetch_chunk`), so that the
-# one stage's copies, which the step waits for, hit L2. 0: no prefetch. No change measured on the H200 at 1, 2 and 4
-# (docs/mosaic.md, "L2 prefetches"), so off.
-PREFETCH_CHUNKS = 0
 PRODUCER_REGISTERS = 40  # per thread of the shared-head kernel's producer warpgroup; the consumers get 232
 OUTPUT_DOTS = ("split", "bf16")
 
@@ -206,12 +202,7 @@ def _out_tiles(outputs, b, h, i, cols):
     return tiles
 
 
-def _prefetch(refs, names, chunk, exists):
-    """`mosaic_common.prefetch_chunk` for the pass inputs `names` (their GMEM refs `refs`)."""
-    mc.prefetch_chunk(refs, [HEAD_DIM if name == "gamma" else CHUNK for name in names], chunk, exists)
-
-
-def _body(*refs, n_operands, with_states, nt, num_heads, scale, split_output, block_v, prefetch):
+def _body(*refs, n_operands, with_states, nt, num_heads, scale, split_output, block_v):
     """One warpgroup, CTA (j, bh): value head bh = b * Hv + h, state columns [BV j, BV (j + 1)). refs: the stored
     operand tiles (B, Tp, Hv, K) each, v (B, Tp, Hv, V), T's and P's bf16 halves (B, Tp, Hv, C) each (T hi, T lo,
     P hi, P lo), beta (B*Hv, Tp), gamma (B*Hv, nt*K), the initial state (B, Hv, K, V); then the final state, O and
@@ -225,14 +216,9 @@ def _body(*refs, n_operands, with_states, nt, num_heads, scale, split_output, bl
     b, h = bh // num_heads, bh % num_heads
     cols = pl.ds(j * block_v, block_v)
 
-    refs_by_name = gmem(b, h, bh, cols)
-    in_refs = [refs_by_name[name] for name in names]
-
     def chunk(indices, *chunk_inputs):
         (i,) = indices
         *chunk_inputs, s = chunk_inputs
-        if prefetch:
-            _prefetch(in_refs, names, i + prefetch, i + prefetch < nt)
         return _chunk_step(tiles, dict(zip(names, chunk_inputs)), s, _out_tiles(outputs, b, h, i, cols),
                            scale=scale, split_output=split_output, block_v=block_v)
 
@@ -240,11 +226,12 @@ def _body(*refs, n_operands, with_states, nt, num_heads, scale, split_output, bl
     s0 = plgpu.load(h0_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
     pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(names, block_v, _swizzle(block_v)),
                                    max_concurrent_steps=STAGES, init_carry=s0)
-    outputs[0].at[b, h, :, cols][...] = pipeline(*in_refs)
+    refs_by_name = gmem(b, h, bh, cols)
+    outputs[0].at[b, h, :, cols][...] = pipeline(*(refs_by_name[name] for name in names))
     plgpu.wait_smem_to_gmem(0)
 
 
-def _body_shared_head(*refs, n_operands, with_states, nt, num_heads, scale, split_output, block_v, prefetch):
+def _body_shared_head(*refs, n_operands, with_states, nt, num_heads, scale, split_output, block_v):
     """One CTA per value head: a producer warpgroup streams the chunk inputs by TMA (once for the head, where
     `_body`'s two CTAs per head read the key-side operands twice) and two consumer warpgroups each carry the state
     block of one V half. One pipeline stage (SMEM), but each input is released as soon as the step has read it
@@ -260,13 +247,9 @@ def _body_shared_head(*refs, n_operands, with_states, nt, num_heads, scale, spli
     b, h = bh // num_heads, bh % num_heads
     cols = pl.ds(wg * block_v, block_v)
     n = len(names)
-    refs_by_name = gmem(b, h, bh, slice(None))
-    in_refs = [refs_by_name[name] for name in names]
 
     def chunk(indices, *args):
         (i,) = indices
-        if prefetch:  # by the first consumer
-            _prefetch(in_refs, names, i + prefetch, (i + prefetch < nt) & (wg == 0))
         chunk_inputs, produced, consumed, s = args[:n], args[n:2 * n], args[2 * n:3 * n], args[3 * n]
         x = dict(zip(names, chunk_inputs))
         x["v"] = x["v"].at[:, cols]  # this warpgroup's half of v
@@ -285,7 +268,8 @@ def _body_shared_head(*refs, n_operands, with_states, nt, num_heads, scale, spli
         chunk, grid=(nt,), in_specs=_in_specs(names, HEAD_DIM, _swizzle(block_v)), max_concurrent_steps=STAGES,
         memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=2, compute_context=consumer,
         manual_produced_barriers=True, manual_consumed_barriers=True)
-    pipeline(*in_refs)
+    refs_by_name = gmem(b, h, bh, slice(None))
+    pipeline(*(refs_by_name[name] for name in names))
 
 
 def _scratch(block_v, shared_head, dtype):
@@ -354,7 +338,7 @@ def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v):
     return mc.wgmma_layout(mc.rows(x["gamma"], BV) * ds + scale * update)
 
 
-def _reverse_body(*refs, nt, num_heads, scale, block_v, prefetch):
+def _reverse_body(*refs, nt, num_heads, scale, block_v):
     """One warpgroup, CTA (j, bh), walking the chunks last to first. refs: the stored operands (`REVERSE_OPERANDS`,
     (B, Tp, Hv, K) each), dO (B, Tp, Hv, V), T's and P's bf16 halves (B, Tp, Hv, C) each, beta (B*Hv, Tp), gamma
     (B*Hv, nt*K), the final state's cotangent (B, Hv, K, V); then dL/d(initial state), the end-state cotangents and
@@ -379,8 +363,6 @@ def _reverse_body(*refs, nt, num_heads, scale, block_v, prefetch):
         (n,) = indices
         *chunk_inputs, ds = chunk_inputs
         i = nt - 1 - n
-        if prefetch:
-            _prefetch([gmem[name] for name in REVERSE_INPUTS], REVERSE_INPUTS, i - prefetch, i >= prefetch)
         out_tiles = (dends_ref.at[b, h, pl.ds(i * K, K), cols], dx_hi_ref.at[b, pl.ds(i * C, C), h, cols],
                      dx_lo_ref.at[b, pl.ds(i * C, C), h, cols])
         return _reverse_step(tiles, dict(zip(REVERSE_INPUTS, chunk_inputs)), ds, out_tiles, scale=scale,
@@ -394,7 +376,7 @@ def _reverse_body(*refs, nt, num_heads, scale, block_v, prefetch):
     plgpu.wait_smem_to_gmem(0)
 
 
-def reverse_pass(operands, beta, t, p, do, dfinal, *, scale, block_v=64, interpret=False, prefetch_chunks=None):
+def reverse_pass(operands, beta, t, p, do, dfinal, *, scale, block_v=64, interpret=False):
     """`kda._reverse_pass` in Mosaic GPU: (dL/d(initial state) (B, Hv, K, V) fp32, every chunk's end-state cotangent
     (bf16, (B, Hv, nt*K, V)), dx's bf16 (hi, lo) halves ((B, Tp, Hv, V) each)). operands: the backward's stored
     operands for bf16 inputs with plain bf16 state products (`REVERSE_OPERANDS`, then gamma (B, Hv, nt*K)); T and P
@@ -415,8 +397,7 @@ def reverse_pass(operands, beta, t, p, do, dfinal, *, scale, block_v=64, interpr
     scratch = (mc.tiled((K, block_v), swizzle), mc.tiled((2, CHUNK, block_v), swizzle),
                mc.tiled((2, CHUNK, block_v), swizzle))
     kernel = plgpu.kernel(
-        functools.partial(_reverse_body, nt=nt, num_heads=Hv, scale=float(scale), block_v=block_v,
-                          prefetch=PREFETCH_CHUNKS if prefetch_chunks is None else prefetch_chunks),
+        functools.partial(_reverse_body, nt=nt, num_heads=Hv, scale=float(scale), block_v=block_v),
         out_type=out_type, scratch_types=scratch, grid=(V // block_v, B * Hv), grid_names=("v_block", "head"),
         compiler_params=plgpu.CompilerParams(), interpret=plgpu.InterpretGPUParams() if interpret else False,
         kernel_name="kda_reverse_mosaic")
@@ -426,7 +407,7 @@ def reverse_pass(operands, beta, t, p, do, dfinal, *, scale, block_v=64, interpr
 
 
 def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", block_v=64, shared_head=False,
-                 with_states=False, interpret=False, prefetch_chunks=None):
+                 with_states=False, interpret=False):
     """(O, final state), and `with_states` every chunk's start state (bf16, (B, Hv, nt*K, V)) and u's bf16 (hi, lo)
     halves ((B, Tp, Hv, V) each), as `kda._forward_pass` returns them with stored operands.
 
@@ -454,8 +435,7 @@ def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", blo
         out_type += (jax.ShapeDtypeStruct((B, Hv, nt * K, V), BF16),)
         out_type += (jax.ShapeDtypeStruct((B, Tp, Hv, V), BF16),) * 2
     body = dict(n_operands=len(tiles), with_states=with_states, nt=nt, num_heads=Hv, scale=float(scale),
-                split_output=split_output, block_v=block_v,
-                prefetch=PREFETCH_CHUNKS if prefetch_chunks is None else prefetch_chunks)
+                split_output=split_output, block_v=block_v)
     common = dict(out_type=out_type, scratch_types=_scratch(block_v, shared_head, v.dtype),
                   interpret=plgpu.InterpretGPUParams() if interpret else False)
     if shared_head:

@@ -77,14 +77,9 @@ HALF = HEAD_DIM // 2  # the V columns per wgmma operand tile (128-byte rows)
 # The per-token vectors the kernel reads, in the order of `token_vectors`' rows; G and doc again as columns.
 ROW_VECTORS = ("g_hi", "g_lo", "beta", "from_start", "to_end", "doc")
 COL_VECTORS = ("g_hi", "g_lo", "doc")
-# Each CTA asks L2 for the input tiles of the CTA this many places after it in launch order (chunk fastest), about
-# one wave ahead at one CTA per SM, so that their TMA copies hit L2 when that CTA starts: a CTA's copies otherwise
-# wait out DRAM, nothing else running on its SM meanwhile. 0: no prefetch. Measured slower on the H200 at 66, 132
-# and 264 (docs/mosaic.md, "L2 prefetches"), so off.
-PREFETCH_AHEAD = 0
 
 
-def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t, prefetch_ahead):
+def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t):
     """One chunk i of value head bh = b * Hv + h (`num_heads` = Hv), two warpgroups w = 0, 1 (`_warpgroup`). The
     GMEM inputs: q, k (B, Tp, H, K), read at key head h // `group`; v, dO; u's bf16 (hi, lo) halves (B, Tp, Hv, V)
     each, or (`u_from_t`) T's bf16 pair (2, B, Tp, Hv, C), from which the kernel forms u itself; dx's halves; the
@@ -136,11 +131,9 @@ def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t, pre
             first += [(t_ref.at[part, b, tokens, h, :], u_s.at[1, part]) for part in range(2)]
         second = [(do_ref.at[b, tokens, h, cols], do_s.at[j]) for j, cols in enumerate(halves)]
         second.append((q_ref.at[b, tokens, key_head, :], q_s))
-        for copies, barrier in ((first, first_loads), (second, second_loads)):
-            for src, dst in copies:
+        for group, barrier in ((first, first_loads), (second, second_loads)):
+            for src, dst in group:
                 plgpu.copy_gmem_to_smem(src, dst, barrier)
-        if prefetch_ahead:
-            _prefetch(prefetch_ahead, i, bh, num_heads, group, u_from_t, inputs)
         # Read by both warpgroups' colsum(Z) products, after the handoffs that follow this warpgroup's commit.
         ones_s[...] = mc.wgmma_layout(jnp.ones((CHUNK, CHUNK), BF16))
 
@@ -156,28 +149,6 @@ def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t, pre
                  dgate=dgate_ref.at[w, bh, tokens], end=end_ref.at[w, bh, tokens],
                  survive=survive_ref.at[w, bh, state_rows])) for w in range(2)]
     mc.run_roles(roles, wg, threads)
-
-
-def _prefetch(ahead, i, bh, num_heads, group, u_from_t, inputs):
-    """L2 prefetches of the input tiles of the item `ahead` places after (chunk i, head bh) in the grid's launch
-    order, whole tiles of GMEM rather than the copies' swizzled halves; none past the grid's end."""
-    q_ref, k_ref, v_ref, do_ref, *pairs = inputs[:-3]
-    starts_ref, dends_ref, vec_ref = inputs[-3:]
-    nt = q_ref.shape[1] // CHUNK
-    later = bh * nt + i + ahead
-    i, bh = later % nt, later // nt
-    b, h = bh // num_heads, bh % num_heads
-    tokens, state_rows = pl.ds(i * CHUNK, CHUNK), pl.ds(i * HEAD_DIM, HEAD_DIM)
-    tiles = [q_ref.at[b, tokens, h // group, :], k_ref.at[b, tokens, h // group, :], v_ref.at[b, tokens, h, :],
-             do_ref.at[b, tokens, h, :], starts_ref.at[b, h, state_rows, :], dends_ref.at[b, h, state_rows, :]]
-    if u_from_t:  # T's pair (2, B, Tp, Hv, C), then dx's halves
-        tiles += [pairs[0].at[part, b, tokens, h, :] for part in range(2)]
-        pairs = pairs[1:]
-    tiles += [ref.at[b, tokens, h, :] for ref in pairs]
-    tiles.append(vec_ref.at[:, bh, tokens])
-    exists = later < nt * q_ref.shape[0] * num_heads
-    for tile in tiles:
-        plgpu.async_prefetch(tile, predicate=exists)
 
 
 def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
@@ -373,7 +344,7 @@ def as_pair(x):
 
 
 def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale, segmented, interpret, vectors=None,
-          survive=None, t_pair=None, prefetch_ahead=None):
+          survive=None, t_pair=None):
     """(dq, dk, dv, dbeta, d(log_decay)) of every chunk, as `wy_chunk._grads` returns them for "merged": padded
     inputs (Tp a multiple of 64), q, k (B, Tp, H, K) and v (B, Tp, Hv, V) with Hv a multiple of H, g = [hi, lo]
     in-chunk gates, starts / dends (B, Hv, nt*K, V) bf16, do bf16, u and dx each as its bf16 (hi, lo) halves
@@ -382,10 +353,8 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     (S_0 as bf16 in K S_0). `vectors`: the kernel's `token_vectors` (6, B*Hv, Tp) where made already
     (`mosaic_vectors.prologue`); `survive`: that prologue's survival factors (B*Hv, nt*K), which send the
     warpgroups' shares to `mosaic_vectors.epilogue` for dbeta and d(log_decay) instead of XLA. dq and dk are summed
-    over the value heads of each key head (in fp32, then rounded once to q's dtype). `prefetch_ahead`: the L2
-    prefetch distance in items (None: `PREFETCH_AHEAD`, 0: none)."""
+    over the value heads of each key head (in fp32, then rounded once to q's dtype)."""
     u_from_t = u is None
-    prefetch_ahead = PREFETCH_AHEAD if prefetch_ahead is None else prefetch_ahead
     if u_from_t and t_pair is None:
         raise ValueError("grads: u is None, so t_pair (T's bf16 pair, (2, B, Tp, Hv, 64)) is needed to form it")
     u_inputs = (t_pair,) if u_from_t else as_pair(u)
@@ -407,7 +376,7 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     threads = 1 if interpret else 2
     kernel = plgpu.kernel(
         functools.partial(_grad_body, scale=scale, num_heads=H, group=group, segmented=segmented, threads=threads,
-                          u_from_t=u_from_t, prefetch_ahead=prefetch_ahead),
+                          u_from_t=u_from_t),
         out_type=out_type, scratch_types=_scratch_types(u_from_t), grid=(nt, B * H), grid_names=("chunk", "head"),
         num_threads=threads, thread_name="wg",
         # Every reduction is along the rows, within a warp: no SMEM for cross-warp ones (which fills 227 KiB).

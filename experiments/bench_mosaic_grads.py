@@ -28,9 +28,6 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (D must be 128).")
 flags.DEFINE_integer("iters", 20, "Calls per timing queue (`marginal_ms`).")
 flags.DEFINE_bool("end_to_end", True, "Also time forward+backward with each gradient kernel.")
-flags.DEFINE_list("ctas", [], "Persistent-CTA counts of the Mosaic kernel to time besides one CTA per item "
-                  "(`mosaic_wy.Config.grads_ctas`), e.g. 132: their times, whether their outputs equal the one-CTA-"
-                  "per-item kernel's bit for bit, and forward+backward with each.")
 
 
 def residuals(B, T, H, D, q, k, v, beta, log_decay):
@@ -49,10 +46,8 @@ def residuals(B, T, H, D, q, k, v, beta, log_decay):
 def main(argv):
     del argv
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    ctas = [int(n) for n in FLAGS.ctas]
-    header = ["size", "mosaic grads", "triton merged", "rel. diff dq, dk, dv, dbeta, dlog"]
-    header += [x for n in ctas for x in (f"mosaic grads, {n} CTAs", "bit-equal")]
-    header += ["fwd+bwd mosaic grads", "fwd+bwd triton grads"] + [f"fwd+bwd, {n} CTAs" for n in ctas]
+    header = ["size", "mosaic grads", "triton merged", "rel. diff dq, dk, dv, dbeta, dlog", "fwd+bwd mosaic grads",
+              "fwd+bwd triton grads"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
     ms = lambda fn, *a: timing.marginal_ms(fn, *a, iters=FLAGS.iters)
     rel = lambda x, r: float(np.linalg.norm(np.float64(x) - np.float64(r)) / np.linalg.norm(np.float64(r)))
@@ -76,20 +71,9 @@ def main(argv):
                     ", ".join(f"{rel(a.astype(jnp.float32), r.astype(jnp.float32)):.1e}" for a, r in zip(ours, ref))]
         except Exception as e:
             row += [f"failed: {type(e).__name__}: {str(e)[:300]}", "-", "-"]
-        ctas = [int(n) for n in FLAGS.ctas]
-        for n in ctas:
-            persistent = jax.jit(lambda *a, n=n: mosaic_wy_grads.grads(*a, scale=D ** -0.5, segmented=False,
-                                                                      interpret=False, ctas=n))
-            try:
-                same = all(bool(jnp.all(a == b)) for a, b in zip(persistent(*res_pairs), ours))
-                row += [f"{ms(persistent, *res_pairs):.3f}", "yes" if same else "NO"]
-            except Exception as e:
-                row += [f"failed: {type(e).__name__}: {str(e)[:300]}", "-"]
         if FLAGS.end_to_end:
             base = mosaic_wy.default_config(batch_heads=B * H)
-            configs = [dataclasses.replace(base, grads=g) for g in ("mosaic", "triton")]
-            configs += [dataclasses.replace(base, grads_ctas=n) for n in ctas]
-            row += training_step_cells(ms, configs, D, x)
+            row += training_step_cells(ms, [dataclasses.replace(base, grads=g) for g in ("mosaic", "triton")], D, x)
         print("| " + " | ".join(row) + " |", flush=True)
 
 

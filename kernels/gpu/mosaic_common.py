@@ -87,16 +87,11 @@ def cols(ref, m):
     return wgmma_layout(lax.broadcast_in_dim(x, (m, ref.shape[0]), [1]))
 
 
-def chunk_masks(row_doc, col_doc, c, segmented, *, transposed=False, positions=None):
+def chunk_masks(row_doc, col_doc, c, segmented, *, transposed=False):
     """(t >= s, t > s) for a c x c chunk (row t, column s), within one document when `segmented` (doc: the SMEM
-    document index as rows and as columns). `transposed`: the masks of the transposed matrix (row s, column t).
-    `positions`: two SMEM vectors holding 0, ..., c - 1 (as rows and as columns) to compare in place of index
-    iotas, which the compiler can hoist out of a loop and keep live through it."""
-    if positions is None:
-        row = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=plgpu.Layout.WGMMA)
-        col = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=plgpu.Layout.WGMMA)
-    else:
-        row, col = rows(positions[0], c), cols(positions[1], c)
+    document index as rows and as columns). `transposed`: the masks of the transposed matrix (row s, column t)."""
+    row = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=plgpu.Layout.WGMMA)
+    col = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=plgpu.Layout.WGMMA)
     if transposed:
         row, col = col, row
     causal, strict = row >= col, row > col

@@ -143,10 +143,6 @@ class Config:
     # H100 (docs/mosaic.md, "u formed in the gradient kernel"): the forward gains ~50 us at 8x2048x16x128 and the
     # gradient kernel loses ~200-270 us.
     recompute_u: bool = False
-    # The gradient kernel's grid: 0, one CTA per (chunk, value head); n > 0, n persistent CTAs (one per SM at 132)
-    # that walk the items and refill each input tile with the next item's once the current one has read it for the
-    # last time (`mosaic_wy_grads.grads(ctas=...)`; not with `recompute_u`).
-    grads_ctas: int = 0
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
@@ -155,9 +151,6 @@ class Config:
                               ("vectors", VECTORS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.grads_ctas < 0 or (self.grads_ctas and self.recompute_u):
-            raise ValueError(f"grads_ctas must be 0 (one CTA per item) or a positive count, and 0 with recompute_u, "
-                             f"got {self.grads_ctas} (recompute_u={self.recompute_u})")
         if self.warpgroups == 2 and self.state_dots != "bf16":
             # Two consumers' S_0 lo tiles take the SMEM over the H100's 227 KiB (256,032 bytes asked).
             raise ValueError(f"warpgroups=2 needs state_dots='bf16' (S_0 hi only), got {self.state_dots!r}")
@@ -778,7 +771,7 @@ def _wy_mosaic_bwd(static, residuals, cotangents):
     dq, dk, dv, dbeta, dlog = mosaic_wy_grads.grads(
         q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, scale=scale, segmented=segmented,
         interpret=interpret, vectors=vectors if with_kernel else None, survive=survive if with_kernel else None,
-        t_pair=t_pair if u is None else None, ctas=cfg.grads_ctas or None)
+        t_pair=t_pair if u is None else None)
     return dq, dk, dv, dbeta.astype(beta.dtype), dlog, None, None, None, dh0
 
 

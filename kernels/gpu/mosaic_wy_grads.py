@@ -77,20 +77,10 @@ HALF = HEAD_DIM // 2  # the V columns per wgmma operand tile (128-byte rows)
 # The per-token vectors the kernel reads, in the order of `token_vectors`' rows; G and doc again as columns.
 ROW_VECTORS = ("g_hi", "g_lo", "beta", "from_start", "to_end", "doc")
 COL_VECTORS = ("g_hi", "g_lo", "doc")
-# With persistent CTAs: which input groups (`_grad_body`'s `copies`) warpgroup 0 refills with the next item's tiles
-# at each of its stages ("early": once warpgroup 1 has done its state terms of dk; "state": after dq's state term;
-# "keys": once warpgroup 1 has read dP and dA_k). Every group appears once.
-REFILL_STAGES = dict(early=("dx_dend", "u_vectors"), state=("s0_do",), keys=("q_k",))
-# With persistent CTAs and no documents: the chunk's masks from token positions copied into the document index's
-# tiles, not from index iotas (which the compiler may hoist out of the item loop and keep live through it).
-POSITION_MASKS = True
-# With persistent CTAs: trace the items one after the other instead of a `pl.loop` over them.
-UNROLL_ITEMS = False
 
 
-def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t, nt, ctas):
-    """One chunk i of value head bh = b * Hv + h (`num_heads` = Hv), two warpgroups w = 0, 1 (`_warpgroup`); or,
-    with `ctas` (persistent CTAs), every `ctas`-th (chunk, head) item from this CTA's index on, chunk fastest. The
+def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t):
+    """One chunk i of value head bh = b * Hv + h (`num_heads` = Hv), two warpgroups w = 0, 1 (`_warpgroup`). The
     GMEM inputs: q, k (B, Tp, H, K), read at key head h // `group`; v, dO; u's bf16 (hi, lo) halves (B, Tp, Hv, V)
     each, or (`u_from_t`) T's bf16 pair (2, B, Tp, Hv, C), from which the kernel forms u itself; dx's halves; the
     start states and end-state cotangents; vec_ref: `token_vectors` (6, B*Hv, Tp). Outputs: dq, dk (B, Tp, Hv, K),
@@ -99,10 +89,8 @@ def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t, nt,
     (2, B*Hv, nt*K). SMEM: the inputs by V half (u_s, x_s: [half, hi/lo]), the dP and dA_k pairs (p_s, a_s:
     [hi/lo]), a tile of ones, the vectors. With `u_from_t`, T's pair arrives in the tiles of u's second half
     (`_warpgroup`)."""
-    n_in = (10 if u_from_t else 11) + (ctas is not None)
+    n_in = 10 if u_from_t else 11
     inputs, outputs, tiles = refs[:n_in], refs[n_in:n_in + 7], refs[n_in + 7:]
-    if ctas is not None:
-        *inputs, positions_ref = inputs
     if u_from_t:
         q_ref, k_ref, v_ref, do_ref, t_ref, dx_hi_ref, dx_lo_ref, starts_ref, dends_ref, vec_ref = inputs
         u_refs = ()
@@ -113,131 +101,54 @@ def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t, nt,
     q_s, k_s, do_s, s0_s, dend_s, u_s, x_s, p_s, a_s, ones_s, *scratch = tiles
     n_vec = len(ROW_VECTORS) + len(COL_VECTORS)
     vec_s, barriers = scratch[:n_vec], scratch[n_vec:]
+    first_loads, second_loads, handoff = barriers[:3]
+    # With `u_from_t`: warpgroup 0 has read T; both warpgroups have stored their half of u.
+    u_stored = types.SimpleNamespace(t_read=barriers[3], both=barriers[4]) if u_from_t else None
     row_vec = dict(zip(ROW_VECTORS, vec_s[:len(ROW_VECTORS)]))
     col_vec = dict(zip(COL_VECTORS, vec_s[len(ROW_VECTORS):]))
+    i = lax.axis_index("chunk")
+    bh = lax.axis_index("head")
     wg = lax.axis_index("wg") if threads == 2 else 0
+    b, h = bh // num_heads, bh % num_heads
+    key_head = h // group
+    tokens = pl.ds(i * CHUNK, CHUNK)
+    state_rows = pl.ds(i * HEAD_DIM, HEAD_DIM)
     halves = [pl.ds(j * HALF, HALF) for j in range(2)]
-    # Without documents, persistent CTAs take the token positions in the chunk into the document index's tiles for
-    # the masks (`mc.chunk_masks(positions=...)`).
-    use_positions = ctas is not None and POSITION_MASKS and not segmented
-
-    def copies(i, bh):
-        """The input tiles of chunk i of value head bh, by the groups in which they are waited for or refilled:
-        dx's pair and dS_end; u's pair (or T's) and the vectors; S_0 and dO; q and k."""
-        b, h = bh // num_heads, bh % num_heads
-        tokens, state_rows = pl.ds(i * CHUNK, CHUNK), pl.ds(i * HEAD_DIM, HEAD_DIM)
-        dx_dend, u_vectors, s0_do = [], [], []
-        for j, cols in enumerate(halves):
-            dx_dend += [(ref.at[b, tokens, h, cols], x_s.at[j, part])
-                        for part, ref in enumerate((dx_hi_ref, dx_lo_ref))]
-            dx_dend.append((dends_ref.at[b, h, state_rows, cols], dend_s.at[j]))
-            u_vectors += [(ref.at[b, tokens, h, cols], u_s.at[j, part]) for part, ref in enumerate(u_refs)]
-            s0_do.append((starts_ref.at[b, h, state_rows, cols], s0_s.at[j]))
-            s0_do.append((do_ref.at[b, tokens, h, cols], do_s.at[j]))
-        if u_from_t:  # T's pair in the tiles of u's second half, until u is formed (`_warpgroup`)
-            u_vectors += [(t_ref.at[part, b, tokens, h, :], u_s.at[1, part]) for part in range(2)]
-        vector = lambda name: (positions_ref.at[tokens] if use_positions and name == "doc"
-                               else vec_ref.at[ROW_VECTORS.index(name), bh, tokens])
-        u_vectors += [(vector(name), ref) for name, ref in row_vec.items()]
-        u_vectors += [(vector(name), ref) for name, ref in col_vec.items()]
-        key_head = h // group
-        q_k = [(k_ref.at[b, tokens, key_head, :], k_s), (q_ref.at[b, tokens, key_head, :], q_s)]
-        return dict(dx_dend=dx_dend, u_vectors=u_vectors, s0_do=s0_do, q_k=q_k)
-
-    def issue(group_copies, barrier):
-        for src, dst in group_copies:
-            plgpu.copy_gmem_to_smem(src, dst, barrier)
-
-    def write_ones():
-        # Read by warpgroup 0's colsum(Z) products, after the handoffs that follow its commit.
-        ones_s[...] = mc.wgmma_layout(jnp.ones((CHUNK, CHUNK), BF16))
-
-    def run_item(i, bh, refill):
-        b, h = bh // num_heads, bh % num_heads
-        tokens, state_rows = pl.ds(i * CHUNK, CHUNK), pl.ds(i * HEAD_DIM, HEAD_DIM)
-        refs = types.SimpleNamespace(
-            q_s=q_s, k_s=k_s, do_s=do_s, s0_s=s0_s, dend_s=dend_s, u_s=u_s, x_s=x_s, p_s=p_s, a_s=a_s, ones_s=ones_s,
-            positions=(row_vec["doc"], col_vec["doc"]) if use_positions else None,
-            row_vec=row_vec, col_vec=col_vec, handoff=handoff, u_stored=u_stored, refill=refill, **waits)
-        roles = [functools.partial(
-            _warpgroup, w, refs, v_ref.at[b, tokens, h, halves[w]], scale=scale, segmented=segmented,
-            concurrent=threads == 2,
-            out=dict(dq=dq_ref.at[b, tokens, h, :], dk=dk_ref.at[b, tokens, h, :],
-                     dv=dv_ref.at[b, tokens, h, halves[w]], dbeta=dbeta_ref.at[w, bh, tokens],
-                     dgate=dgate_ref.at[w, bh, tokens], end=end_ref.at[w, bh, tokens],
-                     survive=survive_ref.at[w, bh, state_rows])) for w in range(2)]
-        mc.run_roles(roles, wg, threads)
-
-    if ctas is None:
-        first_loads, second_loads, handoff = barriers[:3]
-        # With `u_from_t`: warpgroup 0 has read T; both warpgroups have stored their half of u.
-        u_stored = types.SimpleNamespace(t_read=barriers[3], both=barriers[4]) if u_from_t else None
-        waits = dict(first_loads=(first_loads,), second_loads=(second_loads,))
-        i, bh = lax.axis_index("chunk"), lax.axis_index("head")
-
-        @pl.when(wg == 0)
-        def _issue_loads():
-            # Two groups of copies: what both warpgroups start with, then dO and q (first read by the dP product).
-            by_group = copies(i, bh)
-            (k_copy, q_copy), s0_do, dx_dend = by_group["q_k"], by_group["s0_do"], by_group["dx_dend"]
-            u_pairs, vectors = by_group["u_vectors"][:2 * len(u_refs)], by_group["u_vectors"][-n_vec:]
-            first = [k_copy] + vectors
-            for j in range(2):
-                first += [s0_do[2 * j], dx_dend[3 * j + 2]] + u_pairs[2 * j:2 * j + 2] + dx_dend[3 * j:3 * j + 2]
-            first += by_group["u_vectors"][len(u_pairs):-n_vec]  # T's pair, with `u_from_t`
-            issue(first, first_loads)
-            issue([s0_do[1], s0_do[3], q_copy], second_loads)
-            write_ones()
-
-        run_item(i, bh, refill=None)
-        return
-
-    # Persistent CTAs: this CTA's items are cta, cta + ctas, ...; each input group is refilled with the next item's
-    # tiles as soon as both warpgroups have read it for the last time (`_warpgroup`, `refill`).
-    loaded, (freed,), handoff = barriers[:4], barriers[4:5], barriers[5]
-    u_stored = None
-    waits = dict(first_loads=tuple(loaded), second_loads=())
-    groups = ("dx_dend", "u_vectors", "s0_do", "q_k")
-    n_items = nt * (dq_ref.shape[0] * num_heads)
-    cta = lax.axis_index("cta")
 
     @pl.when(wg == 0)
-    def _first_loads():
-        first = copies(cta % nt, cta // nt)
-        for name, barrier in zip(groups, loaded):
-            issue(first[name], barrier)
-        write_ones()
+    def _issue_loads():
+        # Two groups of copies: what both warpgroups start with, then dO and q (first read by the dP product).
+        first = [(k_ref.at[b, tokens, key_head, :], k_s)]
+        first += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in row_vec.items()]
+        first += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in col_vec.items()]
+        for j, cols in enumerate(halves):
+            first += [(starts_ref.at[b, h, state_rows, cols], s0_s.at[j]),
+                      (dends_ref.at[b, h, state_rows, cols], dend_s.at[j])]
+            first += [(ref.at[b, tokens, h, cols], pairs.at[j, part])
+                      for srcs, pairs in ((u_refs, u_s), ((dx_hi_ref, dx_lo_ref), x_s))
+                      for part, ref in enumerate(srcs)]
+        if u_from_t:  # T's pair in the tiles of u's second half, until u is formed (`_warpgroup`)
+            first += [(t_ref.at[part, b, tokens, h, :], u_s.at[1, part]) for part in range(2)]
+        second = [(do_ref.at[b, tokens, h, cols], do_s.at[j]) for j, cols in enumerate(halves)]
+        second.append((q_ref.at[b, tokens, key_head, :], q_s))
+        for group, barrier in ((first, first_loads), (second, second_loads)):
+            for src, dst in group:
+                plgpu.copy_gmem_to_smem(src, dst, barrier)
+        # Read by both warpgroups' colsum(Z) products, after the handoffs that follow this warpgroup's commit.
+        ones_s[...] = mc.wgmma_layout(jnp.ones((CHUNK, CHUNK), BF16))
 
-    def _items(step):
-        item = cta + step * ctas
-        following = item + ctas
-
-        @pl.when(item < n_items)
-        def _item():
-            def issue_next(stage):
-                """Warpgroup 0, once both warpgroups are done with the stage's groups ("early": dx's pair, dS_end,
-                u's pair and the vectors, after warpgroup 1's arrival on `freed`; "state": S_0 and dO; "keys": q
-                and k), copies the next item's tiles into them."""
-                names = REFILL_STAGES[stage]
-                if not names:
-                    return
-
-                @pl.when(following < n_items)
-                def _copy():
-                    if stage == "early" and threads == 2:
-                        plgpu.barrier_wait(freed)
-                    next_copies = copies(following % nt, following // nt)
-                    for name in names:
-                        issue(next_copies[name], loaded[groups.index(name)])
-
-            refill = types.SimpleNamespace(issue_next=issue_next, release=lambda: plgpu.barrier_arrive(freed))
-            run_item(item % nt, item // nt, refill)
-
-    if UNROLL_ITEMS:
-        for step in range(pl.cdiv(n_items, ctas)):
-            _items(step)
-    else:
-        pl.loop(0, pl.cdiv(n_items, ctas))(_items)
+    refs = types.SimpleNamespace(
+        q_s=q_s, k_s=k_s, do_s=do_s, s0_s=s0_s, dend_s=dend_s, u_s=u_s, x_s=x_s, p_s=p_s, a_s=a_s, ones_s=ones_s,
+        row_vec=row_vec, col_vec=col_vec, first_loads=first_loads, second_loads=second_loads, handoff=handoff,
+        u_stored=u_stored)
+    roles = [functools.partial(
+        _warpgroup, w, refs, v_ref.at[b, tokens, h, halves[w]], scale=scale, segmented=segmented,
+        concurrent=threads == 2,
+        out=dict(dq=dq_ref.at[b, tokens, h, :], dk=dk_ref.at[b, tokens, h, :],
+                 dv=dv_ref.at[b, tokens, h, halves[w]], dbeta=dbeta_ref.at[w, bh, tokens],
+                 dgate=dgate_ref.at[w, bh, tokens], end=end_ref.at[w, bh, tokens],
+                 survive=survive_ref.at[w, bh, state_rows])) for w in range(2)]
+    mc.run_roles(roles, wg, threads)
 
 
 def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
@@ -250,20 +161,13 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
     C, K = CHUNK, HEAD_DIM
     row_vec, col_vec, handoff = r.row_vec, r.col_vec, r.handoff
     if concurrent or w == 0:
-        for barrier in r.first_loads:
-            plgpu.barrier_wait(barrier)
-    load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False).astype(F32)
-    # sum(S_0 (.) dS_end) by rows over V half w, for the survival factor: first with persistent CTAs (so that S_0
-    # and dS_end can be refilled early), else last, when few registers are live.
-    survive = lambda: jnp.sum(load(r.s0_s.at[w]) * load(r.dend_s.at[w]), axis=1)
-    survive_first = r.refill is not None
-    if survive_first:
-        out["survive"][...] = survive()
+        plgpu.barrier_wait(r.first_loads)
     beta = mc.row_vector(row_vec["beta"])
     from_start = mc.row_vector(row_vec["from_start"])
     to_end = mc.row_vector(row_vec["to_end"])
     beta_start = beta * from_start
     rows = lambda x, m=HALF: mc.broadcast_rows(x, m)
+    load = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False).astype(F32)
     pair = lambda tiles: mc.wgmma_layout(load(tiles.at[0]) + load(tiles.at[1]))  # hi + lo in fp32
     transposed = lambda ref: ref.transpose((1, 0))
 
@@ -316,13 +220,12 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
             plgpu.barrier_wait(r.u_stored.both)
 
     u_parts = [transposed(r.u_s.at[j, part]) for j in range(2) for part in range(2)]
-    masks = lambda: mc.chunk_masks(row_vec["doc"], col_vec["doc"], C, segmented, positions=r.positions)
+    masks = lambda: mc.chunk_masks(row_vec["doc"], col_vec["doc"], C, segmented)
     decay = lambda mask: mc.pair_decay(row_vec["g_hi"], row_vec["g_lo"], col_vec["g_hi"], col_vec["g_lo"], mask, C)
 
     def decayed_score_grads(dp_ref, qk_ref):
         """dP = scale (dO u^T) (.) decay, stored as its pair; returns the dP (.) Q K^T part of Z."""
-        for barrier in r.second_loads:
-            plgpu.barrier_wait(barrier)
+        plgpu.barrier_wait(r.second_loads)
         for n, u_part in enumerate(u_parts):
             plgpu.wgmma(dp_ref, r.do_s.at[n // 2], u_part)
         plgpu.wgmma(qk_ref, r.q_s, transposed(r.k_s))
@@ -357,25 +260,17 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
             plgpu.barrier_arrive(handoff.at[1])
         dbeta = dbeta + dbeta_pairs
         dgate = dgate + jnp.sum(z, axis=1)
-        if r.refill is not None and concurrent:
-            r.refill.issue_next("early")
         yield
-        if r.refill is not None and not concurrent:  # warpgroup 1's first step has now run too
-            r.refill.issue_next("early")
 
         # dq = scale f (.) dO S_0^T + dP K
         dq_state = mc.wgmma_layout(scale * rows(from_start, K)
                                    * accumulate([(r.do_s.at[j], transposed(r.s0_s.at[j])) for j in range(2)]))
-        if r.refill is not None:
-            r.refill.issue_next("state")
         local = jnp.sum(dq_state * load(r.q_s), axis=1)
         dq = mc.wgmma_layout(dq_state + accumulate([(r.p_s.at[part], r.k_s) for part in range(2)]))
         out["dq"][...] = mc.wgmma_layout(dq.astype(out["dq"].dtype))
         # colsum(Z): rows of Z^T times ones, Z's pair in dP's tiles once warpgroup 1 has read dP and dA_k.
         if concurrent:
             plgpu.barrier_wait(handoff.at[2])
-        if r.refill is not None:
-            r.refill.issue_next("keys")
         mc.store_split(z, r.p_s.at[0], r.p_s.at[1])
         plgpu.commit_smem()
         colsum = jnp.max(accumulate([(transposed(r.p_s.at[part]), r.ones_s) for part in range(2)], n=C), axis=1)
@@ -385,13 +280,10 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
                                       for part in range(2)]
         dk = mc.wgmma_layout(rows(to_end, K) * accumulate(pairs(r.u_s, r.dend_s))  # (e (.) u) dS_end^T
                              - rows(beta_start, K) * accumulate(pairs(r.x_s, r.s0_s)))  # dks S_0^T
-        if r.refill is not None and concurrent:
-            r.refill.release()  # this warpgroup's last reads of dx, dS_end, u, S_0 and the vectors
 
         def wait_for_scores():
             if concurrent:
-                for barrier in r.second_loads:  # q
-                    plgpu.barrier_wait(barrier)
+                plgpu.barrier_wait(r.second_loads)  # q
                 plgpu.barrier_wait(handoff.at[1])
 
         if concurrent:
@@ -407,8 +299,8 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
     out["dbeta"][...] = dbeta
     out["dgate"][...] = dgate
     out["end"][...] = end
-    if not survive_first:
-        out["survive"][...] = survive()
+    # Last, when few registers are live: sum(S_0 (.) dS_end) by rows over V half w, for the survival factor.
+    out["survive"][...] = jnp.sum(load(r.s0_s.at[w]) * load(r.dend_s.at[w]), axis=1)
 
 
 def token_vectors(g, beta, carry, tail, doc=None):
@@ -428,7 +320,7 @@ def token_vectors(g, beta, carry, tail, doc=None):
     return jnp.stack([heads_major(x.astype(F32)) for x in rows])
 
 
-def _scratch_types(u_from_t, persistent):
+def _scratch_types(u_from_t):
     C, K = CHUNK, HEAD_DIM
     inputs = (mc.tiled((C, K)), mc.tiled((C, K)), mc.tiled((2, C, HALF)), mc.tiled((2, K, HALF)),
               mc.tiled((2, K, HALF)), mc.tiled((2, 2, C, HALF)), mc.tiled((2, 2, C, HALF)))
@@ -439,14 +331,8 @@ def _scratch_types(u_from_t, persistent):
     # handoffs, and both warpgroups' for u's pairs.
     first = 1 + len(ROW_VECTORS) + len(COL_VECTORS) + 2 * 2 + (2 * 2 + 2 if u_from_t else 2 * 4)
     second = 2 + 1
-    handoff = plgpu.Barrier(num_arrivals=1, num_barriers=3)
-    if persistent:
-        # One barrier per refill group (`_grad_body`'s `copies`: dx's pair and dS_end by halves; u's pair by halves
-        # and the vectors; S_0 and dO by halves; q and k), then `freed`, arrived at by warpgroup 1.
-        loaded = [plgpu.Barrier(num_arrivals=n) for n in (3 * 2, 2 * 2 + len(ROW_VECTORS) + len(COL_VECTORS),
-                                                          2 * 2, 2)]
-        return inputs + operands + vectors + tuple(loaded) + (plgpu.Barrier(num_arrivals=1), handoff)
-    barriers = (plgpu.Barrier(num_arrivals=first), plgpu.Barrier(num_arrivals=second), handoff)
+    barriers = (plgpu.Barrier(num_arrivals=first), plgpu.Barrier(num_arrivals=second),
+                plgpu.Barrier(num_arrivals=1, num_barriers=3))
     if u_from_t:
         barriers += (plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=2))
     return inputs + operands + vectors + barriers
@@ -458,7 +344,7 @@ def as_pair(x):
 
 
 def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale, segmented, interpret, vectors=None,
-          survive=None, t_pair=None, ctas=None):
+          survive=None, t_pair=None):
     """(dq, dk, dv, dbeta, d(log_decay)) of every chunk, as `wy_chunk._grads` returns them for "merged": padded
     inputs (Tp a multiple of 64), q, k (B, Tp, H, K) and v (B, Tp, Hv, V) with Hv a multiple of H, g = [hi, lo]
     in-chunk gates, starts / dends (B, Hv, nt*K, V) bf16, do bf16, u and dx each as its bf16 (hi, lo) halves
@@ -467,13 +353,8 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     (S_0 as bf16 in K S_0). `vectors`: the kernel's `token_vectors` (6, B*Hv, Tp) where made already
     (`mosaic_vectors.prologue`); `survive`: that prologue's survival factors (B*Hv, nt*K), which send the
     warpgroups' shares to `mosaic_vectors.epilogue` for dbeta and d(log_decay) instead of XLA. dq and dk are summed
-    over the value heads of each key head (in fp32, then rounded once to q's dtype). `ctas`: that many persistent
-    CTAs walk the (chunk, head) items, each refilling its input tiles with its next item's while it finishes the
-    current one (u read, not formed); None: one CTA per item."""
+    over the value heads of each key head (in fp32, then rounded once to q's dtype)."""
     u_from_t = u is None
-    if ctas is not None and (u_from_t or ctas < 1):
-        raise ValueError(f"grads: ctas (persistent CTAs) must be a positive count and needs u given, got ctas={ctas} "
-                         f"with u {'None' if u_from_t else 'given'}")
     if u_from_t and t_pair is None:
         raise ValueError("grads: u is None, so t_pair (T's bf16 pair, (2, B, Tp, Hv, 64)) is needed to form it")
     u_inputs = (t_pair,) if u_from_t else as_pair(u)
@@ -493,22 +374,16 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     # cores one blocked in a barrier wait can starve the other of host threads (seen on 2 cores): there one
     # warpgroup runs both roles in turn (the same SMEM handoffs, no barriers between the roles).
     threads = 1 if interpret else 2
-    if ctas is None:
-        grid, grid_names = (nt, B * H), ("chunk", "head")
-    else:
-        ctas = min(ctas, nt * B * H)
-        grid, grid_names = (ctas,), ("cta",)
     kernel = plgpu.kernel(
         functools.partial(_grad_body, scale=scale, num_heads=H, group=group, segmented=segmented, threads=threads,
-                          u_from_t=u_from_t, nt=nt, ctas=ctas),
-        out_type=out_type, scratch_types=_scratch_types(u_from_t, ctas is not None), grid=grid, grid_names=grid_names,
+                          u_from_t=u_from_t),
+        out_type=out_type, scratch_types=_scratch_types(u_from_t), grid=(nt, B * H), grid_names=("chunk", "head"),
         num_threads=threads, thread_name="wg",
         # Every reduction is along the rows, within a warp: no SMEM for cross-warp ones (which fills 227 KiB).
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
         kernel_name="wy_grads_mosaic")
-    positions = () if ctas is None else (jnp.tile(jnp.arange(CHUNK, dtype=F32), nt),)
-    dq, dk, dv, *shares = kernel(q, k, v, do, *u_inputs, *dx, starts, dends, vectors, *positions)
+    dq, dk, dv, *shares = kernel(q, k, v, do, *u_inputs, *dx, starts, dends, vectors)
     if group > 1:
         dq, dk = (x.reshape(B, Tp, key_heads, group, K).sum(3).astype(q.dtype) for x in (dq, dk))
     if survive is not None:

@@ -113,43 +113,6 @@ def test_triton_forward_saves_u_as_its_pair(output_method):
     assert relative_error(o_pair.astype(jnp.float32), o.astype(jnp.float32)) <= 1e-4
 
 
-def _persistent_matches_one_cta_per_item(x, ctas_counts):
-    """The kernel with persistent CTAs (`ctas`) against one CTA per item on the same residuals: the same products in
-    the same order, so bit for bit the same outputs. In the interpreter one warpgroup runs both roles and the next
-    item's copies are issued where the concurrent kernel issues them or later (`_warpgroup`), so a refill before a
-    buffer's last read in that order changes the outputs (a planted one did: dq and d(log_decay))."""
-    B, T, _, _ = x["q"].shape
-    Hv = x["v"].shape[2]
-    do = jax.random.normal(fresh_key(), (B, T, Hv, D), jnp.bfloat16)
-    _, _, _, res = _residuals(x, do, jax.random.normal(fresh_key(), (B, Hv, D, D), jnp.float32))
-    segmented = x["segment_ids"] is not None
-    run = lambda ctas: jax.jit(lambda *a: mosaic_wy_grads.grads(*a, scale=SCALE, segmented=segmented,
-                                                                interpret=not ON_GPU, ctas=ctas))(*res)
-    expected = run(None)
-    for ctas in ctas_counts:
-        for name, a, e in zip(TOLS, run(ctas), expected):
-            assert a.shape == e.shape and bool(jnp.all(a == e)), (ctas, name)
-
-
-@pytest.mark.parametrize("case", ["packed", "grouped_heads"])
-def test_persistent_ctas_match_one_cta_per_item_in_interpreter(case):
-    """1, 2 and 5 CTAs over 6 items (one CTA takes them all; 3 each; 2 or 1, the last step of some CTAs empty)."""
-    kwargs = dict(packed=dict(H=2, packed=True), grouped_heads=dict(H=1, Hv=2))[case]
-    x = rule_inputs(fresh_key(), B=1, T=150, K=D, V=D, dtype=jnp.bfloat16, beta_max=2.0, with_initial_state=True,
-                    **kwargs)
-    _persistent_matches_one_cta_per_item(x, (1, 2, 5))
-
-
-def test_persistent_ctas_need_u():
-    x = rule_inputs(fresh_key(), B=1, T=64, H=1, K=D, V=D, dtype=jnp.bfloat16)
-    _, _, _, res = _residuals(x, x["v"], jax.random.normal(fresh_key(), (1, 1, D, D), jnp.float32))
-    with pytest.raises(ValueError, match="ctas"):
-        mosaic_wy_grads.grads(*res[:11], None, res[12], scale=SCALE, segmented=False, interpret=True,
-                              t_pair=jnp.zeros((2, 1, 64, 1, 64), jnp.bfloat16), ctas=4)
-    with pytest.raises(ValueError, match="ctas"):
-        mosaic_wy_grads.grads(*res, scale=SCALE, segmented=False, interpret=True, ctas=0)
-
-
 def test_u_none_needs_t_pair():
     x = rule_inputs(fresh_key(), B=1, T=64, H=1, K=D, V=D, dtype=jnp.bfloat16)
     _, _, _, res = _residuals(x, x["v"], jax.random.normal(fresh_key(), (1, 1, D, D), jnp.float32))
@@ -167,8 +130,8 @@ H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
 
 
 @pytest.mark.parametrize("segmented", [False, True])
-@pytest.mark.parametrize("u_from_t,ctas", [(False, None), (True, None), (False, 4)])
-def test_lowers_for_cuda(segmented, u_from_t, ctas):
+@pytest.mark.parametrize("u_from_t", [False, True])
+def test_lowers_for_cuda(segmented, u_from_t):
     """Catches what the interpreter accepts but Mosaic GPU cannot lower (layouts, wgmma operands, transposed
     views, the barriers of the two warpgroups, which the interpreter runs in turn)."""
     B, Tp, H = 1, 192, 2
@@ -180,7 +143,7 @@ def test_lowers_for_cuda(segmented, u_from_t, ctas):
             S((B, Tp), jnp.float32), S((B, Tp), jnp.float32), state, state, key, value, value)
     t_pair = S((2, B, Tp, H, 64), jnp.bfloat16)
     fn = jax.jit(lambda *a: mosaic_wy_grads.grads(*a[:11], None if u_from_t else a[11], a[12], scale=SCALE,
-                                                  segmented=segmented, interpret=False, t_pair=a[13], ctas=ctas))
+                                                  segmented=segmented, interpret=False, t_pair=a[13]))
     args += (t_pair,)
     with jax.sharding.use_abstract_mesh(H100):
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -193,12 +156,3 @@ def test_lowers_for_cuda(segmented, u_from_t, ctas):
 def test_gpu_matches_the_triton_kernel(packed, u_from_t):
     _compare(rule_inputs(fresh_key(), B=2, T=1000, H=4, K=D, V=D, dtype=jnp.bfloat16, beta_max=2.0, packed=packed,
                          with_initial_state=True), u_from_t)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("packed", [False, True])
-def test_gpu_persistent_ctas_match_one_cta_per_item(packed):
-    """Compiled, the two warpgroups run concurrently: a refill before a buffer's last read by either shows here."""
-    x = rule_inputs(fresh_key(), B=2, T=1000, H=4, K=D, V=D, dtype=jnp.bfloat16, beta_max=2.0, packed=packed,
-                    with_initial_state=True)
-    _persistent_matches_one_cta_per_item(x, (7, 132))

@@ -72,8 +72,9 @@ def _round_up(x, m):
 # ----------------------------------------------------------------------------------------------------------------
 # Block specs and the VMEM budget
 
-def _specs(cfg: Config, reverse: bool):
-    """BlockSpecs for the grid (bh, j); chunk j of the walk is chunk N-1-j when `reverse`."""
+def block_specs(cfg, reverse: bool):
+    """BlockSpecs for the grid (bh, j) of both kernel families (`cfg`: this module's or `kda`'s Config); chunk j of
+    the walk is chunk N-1-j when `reverse`."""
     C = cfg.chunk_size
     Kp, Vp = _round_up(cfg.key_dim, LANES), _round_up(cfg.value_dim, LANES)
     Hv, group = cfg.value_heads, cfg.group
@@ -98,6 +99,7 @@ def _specs(cfg: Config, reverse: bool):
         value_key=pl.BlockSpec((None, None, C, Kp), value_head),
         column=pl.BlockSpec((None, None, C, 1), value_head),
         row=pl.BlockSpec((None, None, None, 1, C), value_head_row),
+        channel_column=pl.BlockSpec((None, None, None, Kp, 1), value_head_row),  # KDA's per-chunk gamma
         batch_column=pl.BlockSpec((None, C, 1), per_batch),
         batch_row=pl.BlockSpec((None, None, 1, C), per_batch_row),
         state=pl.BlockSpec((None, None, Kp, Vp), state),
@@ -124,13 +126,18 @@ def vmem_need(cfg: Config, in_bytes: int, backward: bool) -> int:
     return 2 * blocks + temporaries
 
 
-def vmem_budget(cfg: Config, in_bytes: int, backward: bool) -> int:
-    """`vmem_limit_bytes`: 1.5 x the estimated need, at least the v5e default scoped limit."""
-    need = vmem_need(cfg, in_bytes, backward)
+def vmem_limit(need: int) -> int:
+    """`vmem_limit_bytes` for programs that need `need` bytes (an estimate): 1.5 x it, at least the v5e default
+    scoped limit and at most `MAX_VMEM_LIMIT`."""
     return int(min(max(_round_up(need * 3 // 2, 2**20), MIN_VMEM_LIMIT), MAX_VMEM_LIMIT))
 
 
+def vmem_budget(cfg: Config, in_bytes: int, backward: bool) -> int:
+    return vmem_limit(vmem_need(cfg, in_bytes, backward))
+
+
 def fits_vmem(cfg: Config, in_bytes: int) -> bool:
+    """Whether the backward (the larger kernel) gets 1.5 x its estimated need within `MAX_VMEM_LIMIT`."""
     return vmem_need(cfg, in_bytes, backward=True) * 3 // 2 <= MAX_VMEM_LIMIT
 
 
@@ -268,20 +275,37 @@ def _load_gates(cfg: Config, x):
                   get("carry"), get("tail"))
 
 
-def _forward_kernel(cfg: Config, emit_states: bool, *refs):
-    x = _unpack(cfg, refs, backward=False)
-    first_out, final_ref, state_ref = x["rest"]
+def walk_chunk(state_ref, final_ref, initial_ref, step):
+    """The forward program's work at chunk j = program_id(1): S_1 = step(S_0), with S_0 from the VMEM scratch
+    `state_ref` (at j = 0, `initial_ref`'s state, or zeros where it is None), S_1 back into it and, at the last
+    chunk, into `final_ref`."""
     j = pl.program_id(1)
 
     @pl.when(j == 0)
     def _init():
-        if cfg.has_initial_state:
-            state_ref[...] = x["initial_state"][...]
+        if initial_ref is not None:
+            state_ref[...] = initial_ref[...]
         else:
             state_ref[...] = jnp.zeros_like(state_ref)
 
     # Invariant: state_ref holds S_0 of chunk j, the state after every token of chunks 0..j-1.
-    s0 = state_ref[...]
+    s1 = step(state_ref[...])
+    state_ref[...] = s1
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _store_final():
+        final_ref[...] = s1
+
+
+def _forward_kernel(cfg: Config, emit_states: bool, *refs):
+    x = _unpack(cfg, refs, backward=False)
+    first_out, final_ref, state_ref = x["rest"]
+    walk_chunk(state_ref, final_ref, x.get("initial_state"),
+               lambda s0: _forward_chunk(cfg, emit_states, x, first_out, s0))
+
+
+def _forward_chunk(cfg: Config, emit_states: bool, x, first_out, s0):
+    """Chunk j's output (or its start state S_0) into `first_out`; returns S_1."""
     q, k, v = x["q"][...], x["k"][...], x["v"][...]
     gates = _load_gates(cfg, x)
     if cfg.delta:
@@ -295,12 +319,7 @@ def _forward_kernel(cfg: Config, emit_states: bool, *refs):
         p = _dot(q, k, transpose_b=True) * gates.incl
         o = cfg.scale * (_dot(gates.a * q.astype(F32), s0) + _dot(p, u))
         first_out[...] = o.astype(first_out.dtype)
-    s1 = gates.gamma * s0 + _dot_t(gates.e * k.astype(F32), u)
-    state_ref[...] = s1
-
-    @pl.when(j == pl.num_programs(1) - 1)
-    def _store_final():
-        final_ref[...] = s1
+    return gates.gamma * s0 + _dot_t(gates.e * k.astype(F32), u)
 
 
 def _inputs(cfg: Config, prepared, specs, backward: bool):
@@ -322,33 +341,44 @@ def _inputs(cfg: Config, prepared, specs, backward: bool):
     return arrays, in_specs
 
 
-def _compiler_params(cfg: Config, in_bytes: int, backward: bool):
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                vmem_limit_bytes=vmem_budget(cfg, in_bytes, backward))
+def chunk_walk_call(kernel, arrays, in_specs, outputs, *, chunk_size, vmem_limit_bytes, name):
+    """`kernel` on the grid (B * Hv "parallel", chunks "arbitrary") with a Kp x Vp fp32 VMEM scratch for the state
+    it carries from chunk to chunk. `arrays`: q, k [B, H, Tp, Kp] and v [B, Hv, Tp, Vp] first, then the rest,
+    with their `in_specs`; `outputs`: (ShapeDtypeStruct, BlockSpec) pairs."""
+    Kp, (B, Hv, Tp, Vp) = arrays[0].shape[-1], arrays[2].shape
+    return pl.pallas_call(
+        kernel,
+        grid=(B * Hv, Tp // chunk_size),
+        in_specs=in_specs,
+        out_specs=[spec for _, spec in outputs],
+        out_shape=[shape for shape, _ in outputs],
+        scratch_shapes=[pltpu.VMEM((Kp, Vp), F32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=vmem_limit_bytes),
+        name=name,
+    )(*arrays)
+
+
+def forward_call(kernel, arrays, specs, in_specs, emit_states: bool, *, chunk_size, vmem_limit_bytes, name):
+    """(O [B, Hv, Tp, Vp] or chunk start states [B, Hv, N, Kp, Vp] fp32, final state [B, Hv, Kp, Vp] fp32) of a
+    forward `kernel` (`walk_chunk`), named `name` + "_forward" or "_states"."""
+    Kp, v = arrays[0].shape[-1], arrays[2]
+    B, Hv, Tp, Vp = v.shape
+    if emit_states:
+        first = (jax.ShapeDtypeStruct((B, Hv, Tp // chunk_size, Kp, Vp), F32), specs["chunk_state"])
+    else:
+        first = (jax.ShapeDtypeStruct((B, Hv, Tp, Vp), v.dtype), specs["value"])
+    final = (jax.ShapeDtypeStruct((B, Hv, Kp, Vp), F32), specs["state"])
+    return chunk_walk_call(kernel, arrays, in_specs, [first, final], chunk_size=chunk_size,
+                           vmem_limit_bytes=vmem_limit_bytes, name=name + ("_states" if emit_states else "_forward"))
 
 
 def _forward(cfg: Config, prepared, emit_states: bool):
-    """(O [B, Hv, Tp, Vp] or chunk start states [B, Hv, N, Kp, Vp] fp32, final state [B, Hv, Kp, Vp] fp32)."""
-    q, v = prepared["q"], prepared["v"]
-    B, _, Tp, Kp = q.shape
-    Hv, Vp = cfg.value_heads, v.shape[-1]
-    N = Tp // cfg.chunk_size
-    specs = _specs(cfg, reverse=False)
+    specs = block_specs(cfg, reverse=False)
     arrays, in_specs = _inputs(cfg, prepared, specs, backward=False)
-    if emit_states:
-        first = (jax.ShapeDtypeStruct((B, Hv, N, Kp, Vp), F32), specs["chunk_state"])
-    else:
-        first = (jax.ShapeDtypeStruct((B, Hv, Tp, Vp), v.dtype), specs["value"])
-    return pl.pallas_call(
-        functools.partial(_forward_kernel, cfg, emit_states),
-        grid=(B * Hv, N),
-        in_specs=in_specs,
-        out_specs=[first[1], specs["state"]],
-        out_shape=[first[0], jax.ShapeDtypeStruct((B, Hv, Kp, Vp), F32)],
-        scratch_shapes=[pltpu.VMEM((Kp, Vp), F32)],
-        compiler_params=_compiler_params(cfg, q.dtype.itemsize, backward=False),
-        name="delta_rule_chunk_states" if emit_states else "delta_rule_chunk_forward",
-    )(*arrays)
+    return forward_call(functools.partial(_forward_kernel, cfg, emit_states), arrays, specs, in_specs, emit_states,
+                        chunk_size=cfg.chunk_size, name="delta_rule_chunk",
+                        vmem_limit_bytes=vmem_budget(cfg, prepared["q"].dtype.itemsize, backward=False))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -463,7 +493,7 @@ def _backward(cfg: Config, prepared, chunk_states, do, d_final):
     B, _, Tp, Kp = q.shape
     Hv, Vp, C = cfg.value_heads, v.shape[-1], cfg.chunk_size
     N = Tp // C
-    specs = _specs(cfg, reverse=True)
+    specs = block_specs(cfg, reverse=True)
     arrays, in_specs = _inputs(cfg, prepared, specs, backward=True)
     arrays += [chunk_states, do, d_final]
     in_specs += [specs["chunk_state"], specs["value"], specs["state"]]
@@ -476,16 +506,9 @@ def _backward(cfg: Config, prepared, chunk_states, do, d_final):
         dg_row=(jax.ShapeDtypeStruct((B, Hv, N, 1, C), F32), specs["row"]),
         d_initial=(jax.ShapeDtypeStruct((B, Hv, Kp, Vp), F32), specs["state"]))
     names = _backward_outputs(cfg)
-    results = pl.pallas_call(
-        functools.partial(_backward_kernel, cfg),
-        grid=(B * Hv, N),
-        in_specs=in_specs,
-        out_specs=[outputs[name][1] for name in names],
-        out_shape=[outputs[name][0] for name in names],
-        scratch_shapes=[pltpu.VMEM((Kp, Vp), F32)],
-        compiler_params=_compiler_params(cfg, q.dtype.itemsize, backward=True),
-        name="delta_rule_chunk_backward",
-    )(*arrays)
+    results = chunk_walk_call(functools.partial(_backward_kernel, cfg), arrays, in_specs,
+                              [outputs[name] for name in names], chunk_size=C, name="delta_rule_chunk_backward",
+                              vmem_limit_bytes=vmem_budget(cfg, q.dtype.itemsize, backward=True))
     return dict(zip(names, results))
 
 
@@ -555,41 +578,60 @@ def _prepare(cfg: Config, q, k, v, beta, log_decay, initial_state, segment_ids):
     return prepared
 
 
-def _run_forward(cfg, q, k, v, beta, log_decay, initial_state, segment_ids):
-    prepared = _prepare(cfg, q, k, v, beta, log_decay, initial_state, segment_ids)
-    o, final = _forward(cfg, prepared, emit_states=False)
-    T = q.shape[1]
-    o = jnp.swapaxes(o[:, :, :T, :cfg.value_dim], 1, 2)
-    return o, final[:, :, :cfg.key_dim, :cfg.value_dim]
+def recomputing_op(prepare, forward, backward, gate_gradients):
+    """A kernel family's op (cfg, q, k, v, beta, log_decay, initial_state, segment_ids) -> (o, final state) as a
+    `custom_vjp`. `prepare(cfg, *inputs)` lays the inputs out for the kernels (`_prepare`); `forward(cfg, prepared,
+    emit_states)` and `backward(cfg, prepared, chunk_states, do, d_final)` run them (`_forward`, `_backward`);
+    `gate_gradients(cfg, inputs, prepared, grads)` turns the backward's per-token gradients into (d_beta,
+    d_log_decay). The residuals are the inputs only: the backward recomputes the chunk states (Kp x Vp per chunk)
+    and factors."""
+
+    def run_forward(cfg, q, k, v, beta, log_decay, initial_state, segment_ids):
+        prepared = prepare(cfg, q, k, v, beta, log_decay, initial_state, segment_ids)
+        o, final = forward(cfg, prepared, emit_states=False)
+        o = jnp.swapaxes(o[:, :, :q.shape[1], :cfg.value_dim], 1, 2)
+        return o, final[:, :, :cfg.key_dim, :cfg.value_dim]
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def op(cfg, q, k, v, beta, log_decay, initial_state, segment_ids):
+        return run_forward(cfg, q, k, v, beta, log_decay, initial_state, segment_ids)
+
+    def op_fwd(cfg, q, k, v, beta, log_decay, initial_state, segment_ids):
+        inputs = (q, k, v, beta, log_decay, initial_state, segment_ids)
+        return run_forward(cfg, *inputs), inputs
+
+    def op_bwd(cfg, inputs, cotangents):
+        q, k, v, beta, log_decay, initial_state, segment_ids = inputs
+        do, d_final = cotangents
+        B, T, H, K = q.shape
+        V = cfg.value_dim
+        prepared = prepare(cfg, *inputs)
+        chunk_states, _ = forward(cfg, prepared, emit_states=True)
+        Tp, Kp, Vp = prepared["q"].shape[2], prepared["q"].shape[3], prepared["v"].shape[3]
+        do = _heads_first(do, Tp - T, Vp - V)
+        d_final = jnp.pad(d_final.astype(F32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V)))
+        grads = backward(cfg, prepared, chunk_states, do, d_final)
+
+        def to_key_heads(x):  # [B, Hv, Tp, Kp] -> [B, T, H, K], summing each key head's value heads
+            x = x.reshape(B, H, cfg.group, Tp, Kp).sum(axis=2)
+            return jnp.swapaxes(x[:, :, :T, :K], 1, 2).astype(q.dtype)
+
+        d_beta, d_log_decay = gate_gradients(cfg, inputs, prepared, grads)
+        d_v = jnp.swapaxes(grads["dv"][:, :, :T, :V], 1, 2).astype(v.dtype)
+        d_initial = None
+        if initial_state is not None:
+            d_initial = grads["d_initial"][:, :, :K, :V].astype(initial_state.dtype)
+        return to_key_heads(grads["dq"]), to_key_heads(grads["dk"]), d_v, d_beta, d_log_decay, d_initial, None
+
+    op.defvjp(op_fwd, op_bwd)
+    return op
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(cfg, q, k, v, beta, log_decay, initial_state, segment_ids):
-    return _run_forward(cfg, q, k, v, beta, log_decay, initial_state, segment_ids)
-
-
-def _chunked_fwd(cfg, q, k, v, beta, log_decay, initial_state, segment_ids):
-    # Residuals are the inputs only: the backward recomputes the chunk states (Kp x Vp per chunk) and factors.
-    out = _run_forward(cfg, q, k, v, beta, log_decay, initial_state, segment_ids)
-    return out, (q, k, v, beta, log_decay, initial_state, segment_ids)
-
-
-def _chunked_bwd(cfg, residuals, cotangents):
-    q, k, v, beta, log_decay, initial_state, segment_ids = residuals
-    do, d_final = cotangents
-    B, T, H, K = q.shape
-    Hv, V, C = cfg.value_heads, cfg.value_dim, cfg.chunk_size
-    prepared = _prepare(cfg, q, k, v, beta, log_decay, initial_state, segment_ids)
-    chunk_states, _ = _forward(cfg, prepared, emit_states=True)
-    Tp = prepared["q"].shape[2]
-    Kp, Vp = prepared["q"].shape[3], prepared["v"].shape[3]
-    do = _heads_first(do, Tp - T, Vp - V)
-    d_final = jnp.pad(d_final.astype(F32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V)))
-    grads = _backward(cfg, prepared, chunk_states, do, d_final)
-
-    def to_key_heads(x):  # [B, Hv, Tp, Kp] -> [B, T, H, K], summing each key head's value heads
-        x = x.reshape(B, H, cfg.group, Tp, Kp).sum(axis=2)
-        return jnp.swapaxes(x[:, :, :T, :K], 1, 2).astype(q.dtype)
+def _gate_gradients(cfg: Config, inputs, prepared, grads):
+    """(d_beta [B, T, Hv] or None, d_log_decay [B, T, Hv] or None) from the backward's columns."""
+    q, _, _, beta, log_decay, _, _ = inputs
+    B, T = q.shape[:2]
+    Hv, C, Tp = cfg.value_heads, cfg.chunk_size, prepared["q"].shape[2]
 
     def token_major(x):  # [B, Hv, Tp, 1] -> [B, T, Hv]
         return jnp.swapaxes(x[:, :, :T, 0], 1, 2)
@@ -605,14 +647,10 @@ def _chunked_bwd(cfg, residuals, cotangents):
         de = grads["de"].reshape(B, Hv, N, C)
         d_step = d_step + jnp.cumsum(jnp.pad(de[..., :-1], ((0, 0),) * 3 + ((1, 0),)), axis=-1)
         d_log_decay = token_major(d_step.reshape(B, Hv, Tp, 1)).astype(log_decay.dtype)
-    d_v = jnp.swapaxes(grads["dv"][:, :, :T, :V], 1, 2).astype(v.dtype)
-    d_initial = None
-    if initial_state is not None:
-        d_initial = grads["d_initial"][:, :, :K, :V].astype(initial_state.dtype)
-    return to_key_heads(grads["dq"]), to_key_heads(grads["dk"]), d_v, d_beta, d_log_decay, d_initial, None
+    return d_beta, d_log_decay
 
 
-_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+_chunked = recomputing_op(_prepare, _forward, _backward, _gate_gradients)
 
 
 def make_config(q, v, beta, log_decay, initial_state, segment_ids, *, scale, chunk_size) -> Config:

@@ -48,7 +48,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from deltajax.kernels.tpu.chunk import (
     CHUNK_SIZES,
@@ -56,7 +55,6 @@ from deltajax.kernels.tpu.chunk import (
     LANES,
     MAX_HEAD_DIM,
     MAX_VMEM_LIMIT,
-    MIN_VMEM_LIMIT,
     _as_row,
     _cumulative_log_decay,
     _dot,
@@ -65,6 +63,12 @@ from deltajax.kernels.tpu.chunk import (
     _round_up,
     _row_sum,
     _unit_lower_inverse,
+    block_specs,
+    chunk_walk_call,
+    forward_call,
+    recomputing_op,
+    vmem_limit,
+    walk_chunk,
 )
 from deltajax.rules.common import document_index
 
@@ -88,40 +92,7 @@ class Config(NamedTuple):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Block specs and the VMEM budget
-
-def _specs(cfg: Config, reverse: bool):
-    """BlockSpecs for the grid (bh, j); chunk j of the walk is chunk N-1-j when `reverse`."""
-    C = cfg.chunk_size
-    Kp, Vp = _round_up(cfg.key_dim, LANES), _round_up(cfg.value_dim, LANES)
-    Hv, group = cfg.value_heads, cfg.group
-
-    def chunk(j):
-        return (pl.num_programs(1) - 1 - j) if reverse else j
-
-    # lax.div/rem: grid indices are non-negative, and `//` on ints lowers through sign(), which needs a TPU.
-    # Constants take the index's dtype so that the maps also trace with jax_enable_x64 on.
-    batch = lambda bh: lax.div(bh, jnp.asarray(Hv, bh.dtype))
-    head = lambda bh: lax.rem(bh, jnp.asarray(Hv, bh.dtype))
-    key_head = lambda bh, j: (batch(bh), lax.div(head(bh), jnp.asarray(group, bh.dtype)), chunk(j), 0)
-    value_head = lambda bh, j: (batch(bh), head(bh), chunk(j), 0)
-    per_chunk = lambda bh, j: (batch(bh), head(bh), chunk(j), 0, 0)
-    per_batch = lambda bh, j: (batch(bh), chunk(j), 0)
-    per_batch_row = lambda bh, j: (batch(bh), chunk(j), 0, 0)
-    state = lambda bh, j: (batch(bh), head(bh), 0, 0)
-    return dict(
-        key=pl.BlockSpec((None, None, C, Kp), key_head),
-        value=pl.BlockSpec((None, None, C, Vp), value_head),
-        value_key=pl.BlockSpec((None, None, C, Kp), value_head),
-        column=pl.BlockSpec((None, None, C, 1), value_head),
-        row=pl.BlockSpec((None, None, None, 1, C), per_chunk),
-        channel_column=pl.BlockSpec((None, None, None, Kp, 1), per_chunk),
-        batch_column=pl.BlockSpec((None, C, 1), per_batch),
-        batch_row=pl.BlockSpec((None, None, 1, C), per_batch_row),
-        state=pl.BlockSpec((None, None, Kp, Vp), state),
-        chunk_state=pl.BlockSpec((None, None, None, Kp, Vp), per_chunk),
-    )
-
+# The VMEM budget (block specs: `chunk.block_specs`)
 
 def vmem_need(cfg: Config, in_bytes: int, backward: bool) -> int:
     """Bytes of VMEM one program needs: double-buffered blocks, the state scratch and the chunk temporaries.
@@ -149,12 +120,11 @@ def vmem_need(cfg: Config, in_bytes: int, backward: bool) -> int:
 
 
 def vmem_budget(cfg: Config, in_bytes: int, backward: bool) -> int:
-    """`vmem_limit_bytes`: 1.5 x the estimated need, at least the v5e default scoped limit."""
-    need = vmem_need(cfg, in_bytes, backward)
-    return int(min(max(_round_up(need * 3 // 2, 2**20), MIN_VMEM_LIMIT), MAX_VMEM_LIMIT))
+    return vmem_limit(vmem_need(cfg, in_bytes, backward))
 
 
 def fits_vmem(cfg: Config, in_bytes: int) -> bool:
+    """Whether the backward (the larger kernel) gets 1.5 x its estimated need within `MAX_VMEM_LIMIT`."""
     return vmem_need(cfg, in_bytes, backward=True) * 3 // 2 <= MAX_VMEM_LIMIT
 
 
@@ -375,17 +345,12 @@ def _chunk(cfg: Config, x, qf, kf, vf, pair_names) -> _Chunk:
 def _forward_kernel(cfg: Config, emit_states: bool, *refs):
     x = _unpack(cfg, refs, backward=False)
     first_out, final_ref, state_ref = x["rest"]
-    j = pl.program_id(1)
+    walk_chunk(state_ref, final_ref, x.get("initial_state"),
+               lambda s0: _forward_chunk(cfg, emit_states, x, first_out, s0))
 
-    @pl.when(j == 0)
-    def _init():
-        if cfg.has_initial_state:
-            state_ref[...] = x["initial_state"][...]
-        else:
-            state_ref[...] = jnp.zeros_like(state_ref)
 
-    # Invariant: state_ref holds S_0 of chunk j, the state after every token of chunks 0..j-1.
-    s0 = state_ref[...]
+def _forward_chunk(cfg: Config, emit_states: bool, x, first_out, s0):
+    """Chunk j's output (or its start state S_0) into `first_out`; returns S_1."""
     qf, kf, vf = (x[name][...].astype(F32) for name in ("q", "k", "v"))
     c = _chunk(cfg, x, qf, kf, vf, ("rt",) if emit_states else ("p", "rt"))
     u = c.u0 - _dot(c.w, s0)
@@ -394,12 +359,7 @@ def _forward_kernel(cfg: Config, emit_states: bool, *refs):
     else:
         o = cfg.scale * (_dot(c.bound.a * qf, s0) + _dot(c.pairs["p"], u))
         first_out[...] = o.astype(first_out.dtype)
-    s1 = x["gamma"][...] * s0 + _dot_t(c.bound.e * kf, u)
-    state_ref[...] = s1
-
-    @pl.when(j == pl.num_programs(1) - 1)
-    def _store_final():
-        final_ref[...] = s1
+    return x["gamma"][...] * s0 + _dot_t(c.bound.e * kf, u)
 
 
 def _inputs(cfg: Config, prepared, specs, backward: bool):
@@ -416,33 +376,12 @@ def _inputs(cfg: Config, prepared, specs, backward: bool):
     return arrays, in_specs
 
 
-def _compiler_params(cfg: Config, in_bytes: int, backward: bool):
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                vmem_limit_bytes=vmem_budget(cfg, in_bytes, backward))
-
-
 def _forward(cfg: Config, prepared, emit_states: bool):
-    """(O [B, Hv, Tp, Vp] or chunk start states [B, Hv, N, Kp, Vp] fp32, final state [B, Hv, Kp, Vp] fp32)."""
-    q, v = prepared["q"], prepared["v"]
-    B, _, Tp, Kp = q.shape
-    Hv, Vp = cfg.value_heads, v.shape[-1]
-    N = Tp // cfg.chunk_size
-    specs = _specs(cfg, reverse=False)
+    specs = block_specs(cfg, reverse=False)
     arrays, in_specs = _inputs(cfg, prepared, specs, backward=False)
-    if emit_states:
-        first = (jax.ShapeDtypeStruct((B, Hv, N, Kp, Vp), F32), specs["chunk_state"])
-    else:
-        first = (jax.ShapeDtypeStruct((B, Hv, Tp, Vp), v.dtype), specs["value"])
-    return pl.pallas_call(
-        functools.partial(_forward_kernel, cfg, emit_states),
-        grid=(B * Hv, N),
-        in_specs=in_specs,
-        out_specs=[first[1], specs["state"]],
-        out_shape=[first[0], jax.ShapeDtypeStruct((B, Hv, Kp, Vp), F32)],
-        scratch_shapes=[pltpu.VMEM((Kp, Vp), F32)],
-        compiler_params=_compiler_params(cfg, q.dtype.itemsize, backward=False),
-        name="kda_chunk_states" if emit_states else "kda_chunk_forward",
-    )(*arrays)
+    return forward_call(functools.partial(_forward_kernel, cfg, emit_states), arrays, specs, in_specs, emit_states,
+                        chunk_size=cfg.chunk_size, name="kda_chunk",
+                        vmem_limit_bytes=vmem_budget(cfg, prepared["q"].dtype.itemsize, backward=False))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -524,7 +463,7 @@ def _backward(cfg: Config, prepared, chunk_states, do, d_final):
     B, _, Tp, Kp = q.shape
     Hv, Vp, C = cfg.value_heads, v.shape[-1], cfg.chunk_size
     N = Tp // C
-    specs = _specs(cfg, reverse=True)
+    specs = block_specs(cfg, reverse=True)
     arrays, in_specs = _inputs(cfg, prepared, specs, backward=True)
     arrays += [chunk_states, do, d_final]
     in_specs += [specs["chunk_state"], specs["value"], specs["state"]]
@@ -535,16 +474,9 @@ def _backward(cfg: Config, prepared, chunk_states, do, d_final):
         dbeta=(jax.ShapeDtypeStruct((B, Hv, Tp, 1), F32), specs["column"]),
         dgamma=(jax.ShapeDtypeStruct((B, Hv, N, Kp, 1), F32), specs["channel_column"]),
         d_initial=(jax.ShapeDtypeStruct((B, Hv, Kp, Vp), F32), specs["state"]))
-    results = pl.pallas_call(
-        functools.partial(_backward_kernel, cfg),
-        grid=(B * Hv, N),
-        in_specs=in_specs,
-        out_specs=[outputs[name][1] for name in BACKWARD_OUTPUTS],
-        out_shape=[outputs[name][0] for name in BACKWARD_OUTPUTS],
-        scratch_shapes=[pltpu.VMEM((Kp, Vp), F32)],
-        compiler_params=_compiler_params(cfg, q.dtype.itemsize, backward=True),
-        name="kda_chunk_backward",
-    )(*arrays)
+    results = chunk_walk_call(functools.partial(_backward_kernel, cfg), arrays, in_specs,
+                              [outputs[name] for name in BACKWARD_OUTPUTS], chunk_size=C, name="kda_chunk_backward",
+                              vmem_limit_bytes=vmem_budget(cfg, q.dtype.itemsize, backward=True))
     return dict(zip(BACKWARD_OUTPUTS, results))
 
 
@@ -588,43 +520,13 @@ def _prepare(cfg: Config, q, k, v, beta, log_decay, initial_state, segment_ids):
     return prepared
 
 
-def _run_forward(cfg, q, k, v, beta, log_decay, initial_state, segment_ids):
-    prepared = _prepare(cfg, q, k, v, beta, log_decay, initial_state, segment_ids)
-    o, final = _forward(cfg, prepared, emit_states=False)
-    T = q.shape[1]
-    o = jnp.swapaxes(o[:, :, :T, :cfg.value_dim], 1, 2)
-    return o, final[:, :, :cfg.key_dim, :cfg.value_dim]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(cfg, q, k, v, beta, log_decay, initial_state, segment_ids):
-    return _run_forward(cfg, q, k, v, beta, log_decay, initial_state, segment_ids)
-
-
-def _chunked_fwd(cfg, q, k, v, beta, log_decay, initial_state, segment_ids):
-    # Residuals are the inputs only: the backward recomputes the chunk states (Kp x Vp per chunk) and factors.
-    out = _run_forward(cfg, q, k, v, beta, log_decay, initial_state, segment_ids)
-    return out, (q, k, v, beta, log_decay, initial_state, segment_ids)
-
-
-def _chunked_bwd(cfg, residuals, cotangents):
-    q, k, v, beta, log_decay, initial_state, segment_ids = residuals
-    do, d_final = cotangents
-    B, T, H, K = q.shape
-    Hv, V, C = cfg.value_heads, cfg.value_dim, cfg.chunk_size
-    prepared = _prepare(cfg, q, k, v, beta, log_decay, initial_state, segment_ids)
-    chunk_states, _ = _forward(cfg, prepared, emit_states=True)
-    Tp = prepared["q"].shape[2]
+def _gate_gradients(cfg: Config, inputs, prepared, grads):
+    """(d_beta [B, T, Hv], d_log_decay [B, T, Hv, K]) from the backward's per-token gradients."""
+    q, _, _, beta, log_decay, _, _ = inputs
+    B, T, _, K = q.shape
+    Hv, C = cfg.value_heads, cfg.chunk_size
+    Tp, Kp = prepared["q"].shape[2:]
     N = Tp // C
-    Kp, Vp = prepared["q"].shape[3], prepared["v"].shape[3]
-    do = _heads_first(do, Tp - T, Vp - V)
-    d_final = jnp.pad(d_final.astype(F32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V)))
-    grads = _backward(cfg, prepared, chunk_states, do, d_final)
-
-    def to_key_heads(x):  # [B, Hv, Tp, Kp] -> [B, T, H, K], summing each key head's value heads
-        x = x.reshape(B, H, cfg.group, Tp, Kp).sum(axis=2)
-        return jnp.swapaxes(x[:, :, :T, :K], 1, 2).astype(q.dtype)
-
     # gamma_c = carry_C exp(G_Cc) adds dgamma gamma to the last token's dG; then G_t = sum_{t' <= t} log_decay_t'
     # in the chunk turns dG into d(log_decay) by a reverse cumsum. E_s = tail_s exp(G_C - G_s) depends on the
     # gates r > s: its share is the exclusive forward cumsum sum_{s<r} de_s (shifted, never cumsum - de).
@@ -636,14 +538,10 @@ def _chunked_bwd(cfg, residuals, cotangents):
     d_step = d_step.reshape(B, Hv, Tp, Kp)
     d_log_decay = jnp.swapaxes(d_step[:, :, :T, :K], 1, 2).astype(log_decay.dtype)
     d_beta = jnp.swapaxes(grads["dbeta"][:, :, :T, 0], 1, 2).astype(beta.dtype)
-    d_v = jnp.swapaxes(grads["dv"][:, :, :T, :V], 1, 2).astype(v.dtype)
-    d_initial = None
-    if initial_state is not None:
-        d_initial = grads["d_initial"][:, :, :K, :V].astype(initial_state.dtype)
-    return to_key_heads(grads["dq"]), to_key_heads(grads["dk"]), d_v, d_beta, d_log_decay, d_initial, None
+    return d_beta, d_log_decay
 
 
-_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+_chunked = recomputing_op(_prepare, _forward, _backward, _gate_gradients)
 
 
 def make_config(q, v, initial_state, segment_ids, *, scale, chunk_size) -> Config:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from deltajax.rules import chunk
 
@@ -70,3 +71,27 @@ def rule_inputs(key, *, B=2, T=65, H=2, Hv=None, K=16, V=8, decay="scalar", beta
     cast = lambda x: x.astype(dtype)
     return dict(q=cast(q), k=cast(k), v=cast(v), beta=beta, log_decay=log_decay, initial_state=initial_state,
                 segment_ids=segment_ids)
+
+
+def assert_tpu_lowering(forward, args, mesh_kind=None):
+    """Lowers `forward(*args)` and its VJP for TPU (under an abstract mesh of `mesh_kind` chips when given), with
+    the MLIR verifier on, and checks the Mosaic calls: one in the forward; the backward adds the chunk-state
+    recomputation and the reverse pass."""
+
+    def backward(*a):
+        out, vjp = jax.vjp(forward, *a)
+        return vjp(out)
+
+    texts = []
+    # enable_checks also runs the MLIR verifier over the Mosaic module that lowering serialises.
+    with jax.enable_checks(True):
+        for fn in (forward, backward):
+            if mesh_kind is None:
+                lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+            else:
+                device = AbstractDevice(device_kind=mesh_kind, num_cores=1, platform="tpu")
+                with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+                    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+            texts.append(lowered.as_text())
+    assert texts[0].count("tpu_custom_call") == 1
+    assert texts[1].count("tpu_custom_call") == 3

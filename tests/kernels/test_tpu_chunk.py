@@ -12,13 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AbstractDevice, AbstractMesh
 
 import deltajax
 from deltajax.kernels import tpu
 from deltajax.kernels.tpu import chunk as tpu_chunk
 from deltajax.rules import dispatch
-from testing_utils import fresh_key, relative_error, rule_inputs
+from testing_utils import assert_tpu_lowering, fresh_key, relative_error, rule_inputs
 
 FP32_OUT_TOL = 1e-5
 FP32_GRAD_TOL = 1e-4
@@ -329,25 +328,7 @@ def _lower(op, decay, packed, init, dtype, *, chunk_size=64, K=128, V=128, H=2, 
         return tpu_chunk.chunked(q, k, v, beta, log_decay, scale=K ** -0.5, initial_state=initial_state,
                                  segment_ids=segment_ids, chunk_size=chunk_size)
 
-    def backward(*args):
-        out, vjp = jax.vjp(forward, *args)
-        return vjp(out)
-
-    args = (x["q"], x["k"], x["v"], beta, x["log_decay"], x["initial_state"])
-    texts = []
-    # enable_checks also runs the MLIR verifier over the Mosaic module that lowering serialises.
-    with jax.enable_checks(True):
-        for fn in (forward, backward):
-            if mesh_kind is None:
-                lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
-            else:
-                device = AbstractDevice(device_kind=mesh_kind, num_cores=1, platform="tpu")
-                with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
-                    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
-            texts.append(lowered.as_text())
-    # The forward is one Mosaic call; the backward adds the chunk-state recomputation and the reverse pass.
-    assert texts[0].count("tpu_custom_call") == 1
-    assert texts[1].count("tpu_custom_call") == 3
+    assert_tpu_lowering(forward, (x["q"], x["k"], x["v"], beta, x["log_decay"], x["initial_state"]), mesh_kind)
 
 
 FLAG_GRID = list(itertools.product(("delta_rule", "linear_attention"), ("none", "scalar"), (False, True),

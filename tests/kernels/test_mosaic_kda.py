@@ -188,13 +188,16 @@ def test_reverse_pass_equals_the_triton_one_in_interpreter(variant):
                                           for pair in (dx, dx_t)), per_element=False)
 
 
-@pytest.mark.parametrize("family", [None, *ADVERSARIAL])
-def test_gradients_through_the_mosaic_reverse_pass_in_interpreter(family):
-    """Both Mosaic passes: every gradient at the bf16 bounds against the scan, and equal to the gradients through
-    the Triton reverse pass up to the 16-bit rounding flips, on random and adversarial inputs."""
+@pytest.mark.parametrize("family,variant", [(None, "bv64"), (None, "shared_head"),
+                                            *((family, "bv64") for family in ADVERSARIAL),
+                                            *((family, "shared_head") for family in ADVERSARIAL)])
+def test_gradients_through_the_mosaic_reverse_pass_in_interpreter(family, variant):
+    """Both Mosaic passes (the forward with two CTAs or one CTA per head, as `mosaic_config` picks by head count):
+    every gradient at the bf16 bounds against the scan, and equal to the gradients through the Triton reverse pass
+    up to the 16-bit rounding flips, on random and adversarial inputs."""
     shape = dict(B=1, T=130, H=1, Hv=2, K=D, V=D)
     x = _bf16_case(_inputs(**shape) if family is None else _adversarial(family, **shape))
-    mosaic = _config(x, pass_backend="mosaic", reverse_backend="mosaic")
+    mosaic = _config(x, pass_backend="mosaic", reverse_backend="mosaic", **VARIANTS[variant])
     _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"mosaic-reverse-{family}")
     triton = dataclasses.replace(mosaic, reverse_backend="triton")
     _assert_equal_up_to_16_bit_rounding(_grads(_fn(mosaic), x), _grads(_fn(triton), x), per_element=False)
@@ -256,18 +259,19 @@ def test_dispatch_takes_kda_to_mosaic_on_hopper(monkeypatch):
     assert dispatch.select("delta_rule", "auto", KDA_CALL).name == "pallas"
 
 
-@pytest.mark.parametrize("batch,value_heads,dtype,K,expected", [
-    (8, 16, jnp.bfloat16, D, "mosaic"),
-    (4, 16, jnp.bfloat16, D, "mosaic"),  # 64 heads: the threshold
-    (2, 16, jnp.bfloat16, D, "triton"),
-    (8, 16, jnp.float32, D, "triton"),
-    (8, 16, jnp.bfloat16, 64, "triton"),
+@pytest.mark.parametrize("batch,value_heads,dtype,K,expected,shared_head", [
+    (8, 16, jnp.bfloat16, D, "mosaic", True),  # 128 heads: one CTA per head
+    (4, 16, jnp.bfloat16, D, "mosaic", False),  # 64 heads: the threshold
+    (2, 16, jnp.bfloat16, D, "triton", False),
+    (8, 16, jnp.float32, D, "triton", False),
+    (8, 16, jnp.bfloat16, 64, "triton", False),
 ])
-def test_mosaic_config_takes_the_mosaic_pass_from_the_threshold(batch, value_heads, dtype, K, expected):
+def test_mosaic_config_takes_the_mosaic_pass_from_the_threshold(batch, value_heads, dtype, K, expected, shared_head):
     q = jnp.zeros((batch, 64, value_heads, K), dtype)
     cfg = kda.mosaic_config(q, q, scale=0.1, chunk_size=64, segmented=False, interpret=False)
     assert cfg.pass_backend == expected and cfg.reverse_backend == expected
-    assert kda.MOSAIC_PASS_MIN_BATCH_HEADS == 64
+    assert cfg.mosaic_shared_head == shared_head
+    assert kda.MOSAIC_PASS_MIN_BATCH_HEADS == 64 and kda.MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS == 128
 
 
 def test_registered_function_matches_scan_in_interpreter(monkeypatch):
@@ -361,12 +365,13 @@ def test_gpu_matches_scan(T, packed, init, heads, variant):
 
 
 @gpu_only
+@pytest.mark.parametrize("variant", ["bv64", "shared_head"])
 @pytest.mark.parametrize("family", [None, *ADVERSARIAL])
-def test_gpu_mosaic_reverse_pass_matches_scan(family):
+def test_gpu_mosaic_reverse_pass_matches_scan(family, variant):
     """Both passes in Mosaic GPU, compiled: every gradient against the scan at the bf16 bounds."""
     shape = dict(B=2, T=500, H=2, Hv=4, K=D, V=D)
     x = _bf16_case(_inputs(**shape) if family is None else _adversarial(family, **shape))
-    cfg = _config(x, pass_backend="mosaic", reverse_backend="mosaic")
+    cfg = _config(x, pass_backend="mosaic", reverse_backend="mosaic", **VARIANTS[variant])
     _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(cfg), label=f"gpu-mosaic-reverse-{family}")
 
 

@@ -39,6 +39,15 @@ def acc(m, n):
     return plgpu.ACC((m, n), F32)
 
 
+def read(*acc_refs):
+    """The values of wgmma accumulators, once their products are done. Reading a ref waits for the wgmmas, but that
+    wait is an instruction LLVM cannot see the accumulators depend on: it may hoist arithmetic on them (a negation,
+    say) above the wait, and ptxas then serializes every wgmma of the kernel (note C7514, "non wgmma instructions
+    reading accumulator registers"). An optimization barrier after the reads keeps that arithmetic below them."""
+    values = lax.optimization_barrier(tuple(ref[...] for ref in acc_refs))
+    return values[0] if len(acc_refs) == 1 else values
+
+
 def split(x):
     """x = hi + lo (+ ~2^-17 |x|) as two bf16 values."""
     hi = x.astype(BF16)

@@ -115,7 +115,7 @@ def _chunk_step(tiles, x, s, out_tiles, *, scale, split_output, block_v, ready=_
 
     def key_state(acc_ref):
         plgpu.wgmma(acc_ref, x["ak"], s_hi)
-        return acc_ref[...]
+        return mc.read(acc_ref)
 
     ready("ak")
     ks = pl.run_scoped(key_state, mc.acc(C, BV))
@@ -128,7 +128,7 @@ def _chunk_step(tiles, x, s, out_tiles, *, scale, split_output, block_v, ready=_
 
     def pseudo_values(acc_ref):
         _split_product(acc_ref, [((x["t_hi"], x["t_lo"]), (x_hi, x_lo))])
-        return acc_ref[...]
+        return mc.read(acc_ref)
 
     ready("t_hi", "t_lo")
     u = pl.run_scoped(pseudo_values, mc.acc(C, BV))
@@ -145,7 +145,7 @@ def _chunk_step(tiles, x, s, out_tiles, *, scale, split_output, block_v, ready=_
     def output_and_update(o_ref, update_ref):  # (5), scale-free, and (6)
         _split_product(o_ref, [(qa, (s_hi, s_lo)), ((x["p_hi"], x["p_lo"]), (u_hi, u_lo))])
         _split_product(update_ref, [((transposed(x["ke_hi"]), transposed(x["ke_lo"])), (u_hi, u_lo))])
-        return o_ref[...], update_ref[...]
+        return mc.read(o_ref, update_ref)
 
     late = [name for name in _input_names(split_output) if name.startswith(("qa", "p_", "ke"))]
     ready(*late)
@@ -312,7 +312,7 @@ def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v):
     def cotangent_of_u(pdo_ref, kd_ref):
         _split_product(pdo_ref, [((transposed(x["p_hi"]), transposed(x["p_lo"])), (x["do"], None))])
         plgpu.wgmma(kd_ref, x["ke_hi"], s_hi)
-        return pdo_ref[...], kd_ref[...]
+        return mc.read(pdo_ref, kd_ref)
 
     pdo, kd = pl.run_scoped(cotangent_of_u, mc.acc(C, BV), mc.acc(C, BV))
     mc.store_split(scale * pdo + kd, x_hi, x_lo)  # du
@@ -320,7 +320,7 @@ def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v):
 
     def cotangent_of_beta_y(acc_ref):
         _split_product(acc_ref, [((transposed(x["t_hi"]), transposed(x["t_lo"])), (x_hi, x_lo))])
-        return acc_ref[...]
+        return mc.read(acc_ref)
 
     dx = pl.run_scoped(cotangent_of_beta_y, mc.acc(C, BV))
     mc.store_split(dx, dx_hi, dx_lo)
@@ -332,7 +332,7 @@ def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v):
     def start_cotangent(acc_ref):
         plgpu.wgmma(acc_ref, transposed(x["qa_hi"]), x["do"])
         _split_product(acc_ref, [((transposed(x["ak_hi"]), transposed(x["ak_lo"])), (x_hi, x_lo))])
-        return acc_ref[...]
+        return mc.read(acc_ref)
 
     update = pl.run_scoped(start_cotangent, mc.acc(K, BV))
     return mc.wgmma_layout(mc.rows(x["gamma"], BV) * ds + scale * update)

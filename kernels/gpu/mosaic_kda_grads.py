@@ -174,7 +174,7 @@ def _warpgroup(w, r, chan, gmem, out, *, scale, segmented, concurrent):
         def body(acc_ref):
             for a_operand, b_operand in products:
                 plgpu.wgmma(acc_ref, a_operand, b_operand)
-            return acc_ref[...]
+            return mc.read(acc_ref)
         return pl.run_scoped(body, acc())
 
     if concurrent or w == 0:

@@ -203,13 +203,14 @@ def _split_product(a_hi, a_lo, b_hi, b_lo, m, n, separate, while_running=None):
         plgpu.wgmma(acc_ref, a_hi, b_hi)
         lo_terms(acc_ref)
         other = meanwhile()
-        return acc_ref[...], other
+        return mc.read(acc_ref), other
 
     def apart(hi_ref, lo_ref):
         plgpu.wgmma(hi_ref, a_hi, b_hi)
         lo_terms(lo_ref)
         other = meanwhile()
-        return mc.wgmma_layout(hi_ref[...] + lo_ref[...]), other
+        hi, lo = mc.read(hi_ref, lo_ref)
+        return mc.wgmma_layout(hi + lo), other
 
     has_lo = b_lo is not None or a_lo is not None
     if separate and has_lo:
@@ -272,18 +273,18 @@ def _forward_step(cfg, tiles, inputs, s, out_tiles, *, scale, segmented):
             plgpu.wgmma(ks_ref, k, s_lo)
         query_state_product(qs_ref)
         plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
-        return ks_ref[...], qs_ref[...], qk_ref[...]
+        return mc.read(ks_ref, qs_ref, qk_ref)
 
     def key_products(ks_ref, qk_ref):
         plgpu.wgmma(ks_ref, k, s_hi)
         if split_state:
             plgpu.wgmma(ks_ref, k, s_lo)
         plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
-        return ks_ref[...], qk_ref[...]
+        return mc.read(ks_ref, qk_ref)
 
     def query_key_product(qk_ref):
         plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
-        return qk_ref[...]
+        return mc.read(qk_ref)
 
     qs = None
     if cfg.query_state_late:  # Q S_0 issued with P u at the end: its accumulator is not live in between
@@ -303,7 +304,7 @@ def _forward_step(cfg, tiles, inputs, s, out_tiles, *, scale, segmented):
         def both(qs_ref):
             query_state_product(qs_ref)
             pu = _split_product(*p_parts, u_hi, u_lo, C, BV, separate)  # reading it waits for Q S_0 too
-            return qs_ref[...], pu
+            return mc.read(qs_ref), pu
 
         late_qs, pu = pl.run_scoped(both, mc.acc(C, BV))
         return mc.wgmma_layout(start_rows * late_qs + pu)
@@ -396,7 +397,7 @@ def _reverse_step(cfg, tiles, inputs, ds, out_tiles, *, scale, segmented):
         if split_state:
             plgpu.wgmma(kd_ref, k, s_lo)
         plgpu.wgmma(kq_ref, k, q.transpose((1, 0)))
-        return kd_ref[...], kq_ref[...]
+        return mc.read(kd_ref, kq_ref)
 
     kd, kq = pl.run_scoped(key_products, mc.acc(C, BV), mc.acc(C, C))
     causal, _ = mc.chunk_masks(doc, doc_c, C, segmented, transposed=True)
@@ -438,7 +439,7 @@ def _reverse_step(cfg, tiles, inputs, ds, out_tiles, *, scale, segmented):
         plgpu.wgmma(acc_ref, k.transpose((1, 0)), x_hi)
         plgpu.wgmma(acc_ref, k.transpose((1, 0)), x_lo)
         plgpu.wgmma(acc_ref, q.transpose((1, 0)), decayed_do)
-        return acc_ref[...]
+        return mc.read(acc_ref)
 
     update = pl.run_scoped(start_cotangent, mc.acc(K, BV))
     return mc.wgmma_layout(mc.rows(survive, BV) * ds + scale * update)

@@ -181,7 +181,7 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
                 before_last()
                 for a_operand, b_operand in last:
                     plgpu.wgmma(acc_ref, a_operand, b_operand)
-            return acc_ref[...]
+            return mc.read(acc_ref)
         return pl.run_scoped(body, mc.acc(C, n))
 
     # V half w of the contractions with S_0 and dS_end: dv and the per-token sums.
@@ -189,7 +189,7 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
         plgpu.wgmma(ks_ref, r.k_s, r.s0_s.at[w])
         plgpu.wgmma(kd_ref, r.k_s, r.dend_s.at[w])
         v = load(v_tile)  # from GMEM while the products run
-        return ks_ref[...], kd_ref[...], v
+        return *mc.read(ks_ref, kd_ref), v
 
     ks, kd, v = pl.run_scoped(state_products, mc.acc(C, HALF), mc.acc(C, HALF))
     y = mc.wgmma_layout(v - rows(from_start) * ks)  # (3)
@@ -230,9 +230,10 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
             plgpu.wgmma(dp_ref, r.do_s.at[n // 2], u_part)
         plgpu.wgmma(qk_ref, r.q_s, transposed(r.k_s))
         causal, strict = masks()
-        dp = mc.wgmma_layout(scale * dp_ref[...] * decay(causal))  # dL/d(Q K^T) of (5), decayed
+        dp, qk = mc.read(dp_ref, qk_ref)
+        dp = mc.wgmma_layout(scale * dp * decay(causal))  # dL/d(Q K^T) of (5), decayed
         mc.store_split(dp, r.p_s.at[0], r.p_s.at[1])
-        return mc.wgmma_layout(jnp.where(strict, dp * qk_ref[...], 0.0))
+        return mc.wgmma_layout(jnp.where(strict, dp * qk, 0.0))
 
     def key_pair_grads(nda_ref, kk_ref):
         """dA_k = beta_t dA (.) decay (t > s), dA = -dx u^T, stored as its pair; returns (its dbeta terms, the
@@ -243,8 +244,8 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
         plgpu.wgmma(kk_ref, r.k_s, transposed(r.k_s))
         _, strict = masks()
         decay_strict = decay(strict)
-        kk = kk_ref[...]
-        da = jnp.where(strict, -nda_ref[...], 0.0)
+        nda, kk = mc.read(nda_ref, kk_ref)
+        da = jnp.where(strict, -nda, 0.0)
         da_k = mc.wgmma_layout(da * decay_strict * rows(beta, C))  # dL/d(k_t . k_s)
         mc.store_split(da_k, r.a_s.at[0], r.a_s.at[1])
         return jnp.sum(da * kk * decay_strict, axis=1), mc.wgmma_layout(da_k * kk)

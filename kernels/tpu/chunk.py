@@ -132,13 +132,18 @@ def vmem_limit(need: int) -> int:
     return int(min(max(_round_up(need * 3 // 2, 2**20), MIN_VMEM_LIMIT), MAX_VMEM_LIMIT))
 
 
+def vmem_fits(need: int) -> bool:
+    """Whether `vmem_limit` grants `need` bytes 1.5 x without clamping to `MAX_VMEM_LIMIT`."""
+    return need * 3 // 2 <= MAX_VMEM_LIMIT
+
+
 def vmem_budget(cfg: Config, in_bytes: int, backward: bool) -> int:
     return vmem_limit(vmem_need(cfg, in_bytes, backward))
 
 
 def fits_vmem(cfg: Config, in_bytes: int) -> bool:
     """Whether the backward (the larger kernel) gets 1.5 x its estimated need within `MAX_VMEM_LIMIT`."""
-    return vmem_need(cfg, in_bytes, backward=True) * 3 // 2 <= MAX_VMEM_LIMIT
+    return vmem_fits(vmem_need(cfg, in_bytes, backward=True))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -275,33 +280,29 @@ def _load_gates(cfg: Config, x):
                   get("carry"), get("tail"))
 
 
-def walk_chunk(state_ref, final_ref, initial_ref, step):
-    """The forward program's work at chunk j = program_id(1): S_1 = step(S_0), with S_0 from the VMEM scratch
-    `state_ref` (at j = 0, `initial_ref`'s state, or zeros where it is None), S_1 back into it and, at the last
-    chunk, into `final_ref`."""
+def forward_kernel(unpack, forward_chunk, cfg, emit_states: bool, *refs):
+    """The forward program of either kernel family at chunk j = program_id(1): `unpack(cfg, refs, backward=False)`
+    names the refs; `forward_chunk(cfg, emit_states, x, first_out, s0)` writes chunk j's output (or S_0) and
+    returns S_1. S_0 comes from the VMEM scratch (at j = 0, the initial state, or zeros), S_1 goes back into it and,
+    at the last chunk, into the final state."""
+    x = unpack(cfg, refs, backward=False)
+    first_out, final_ref, state_ref = x["rest"]
     j = pl.program_id(1)
 
     @pl.when(j == 0)
     def _init():
-        if initial_ref is not None:
-            state_ref[...] = initial_ref[...]
+        if "initial_state" in x:
+            state_ref[...] = x["initial_state"][...]
         else:
             state_ref[...] = jnp.zeros_like(state_ref)
 
     # Invariant: state_ref holds S_0 of chunk j, the state after every token of chunks 0..j-1.
-    s1 = step(state_ref[...])
+    s1 = forward_chunk(cfg, emit_states, x, first_out, state_ref[...])
     state_ref[...] = s1
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _store_final():
         final_ref[...] = s1
-
-
-def _forward_kernel(cfg: Config, emit_states: bool, *refs):
-    x = _unpack(cfg, refs, backward=False)
-    first_out, final_ref, state_ref = x["rest"]
-    walk_chunk(state_ref, final_ref, x.get("initial_state"),
-               lambda s0: _forward_chunk(cfg, emit_states, x, first_out, s0))
 
 
 def _forward_chunk(cfg: Config, emit_states: bool, x, first_out, s0):
@@ -359,9 +360,11 @@ def chunk_walk_call(kernel, arrays, in_specs, outputs, *, chunk_size, vmem_limit
     )(*arrays)
 
 
-def forward_call(kernel, arrays, specs, in_specs, emit_states: bool, *, chunk_size, vmem_limit_bytes, name):
-    """(O [B, Hv, Tp, Vp] or chunk start states [B, Hv, N, Kp, Vp] fp32, final state [B, Hv, Kp, Vp] fp32) of a
-    forward `kernel` (`walk_chunk`), named `name` + "_forward" or "_states"."""
+def forward_call(unpack, forward_chunk, cfg, arrays, specs, in_specs, emit_states: bool, *, vmem_limit_bytes, name):
+    """(O [B, Hv, Tp, Vp] or chunk start states [B, Hv, N, Kp, Vp] fp32, final state [B, Hv, Kp, Vp] fp32) of the
+    forward program (`forward_kernel` on `unpack` and `forward_chunk`), named `name` + "_forward" or "_states"."""
+    chunk_size = cfg.chunk_size
+    kernel = functools.partial(forward_kernel, unpack, forward_chunk, cfg, emit_states)
     Kp, v = arrays[0].shape[-1], arrays[2]
     B, Hv, Tp, Vp = v.shape
     if emit_states:
@@ -376,8 +379,7 @@ def forward_call(kernel, arrays, specs, in_specs, emit_states: bool, *, chunk_si
 def _forward(cfg: Config, prepared, emit_states: bool):
     specs = block_specs(cfg, reverse=False)
     arrays, in_specs = _inputs(cfg, prepared, specs, backward=False)
-    return forward_call(functools.partial(_forward_kernel, cfg, emit_states), arrays, specs, in_specs, emit_states,
-                        chunk_size=cfg.chunk_size, name="delta_rule_chunk",
+    return forward_call(_unpack, _forward_chunk, cfg, arrays, specs, in_specs, emit_states, name="delta_rule_chunk",
                         vmem_limit_bytes=vmem_budget(cfg, prepared["q"].dtype.itemsize, backward=False))
 
 

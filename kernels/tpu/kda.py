@@ -67,8 +67,8 @@ from deltajax.kernels.tpu.chunk import (
     chunk_walk_call,
     forward_call,
     recomputing_op,
+    vmem_fits,
     vmem_limit,
-    walk_chunk,
 )
 from deltajax.rules.common import document_index
 
@@ -125,7 +125,7 @@ def vmem_budget(cfg: Config, in_bytes: int, backward: bool) -> int:
 
 def fits_vmem(cfg: Config, in_bytes: int) -> bool:
     """Whether the backward (the larger kernel) gets 1.5 x its estimated need within `MAX_VMEM_LIMIT`."""
-    return vmem_need(cfg, in_bytes, backward=True) * 3 // 2 <= MAX_VMEM_LIMIT
+    return vmem_fits(vmem_need(cfg, in_bytes, backward=True))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -342,13 +342,6 @@ def _chunk(cfg: Config, x, qf, kf, vf, pair_names) -> _Chunk:
 # ----------------------------------------------------------------------------------------------------------------
 # Forward: O and the final state, or every chunk's start state
 
-def _forward_kernel(cfg: Config, emit_states: bool, *refs):
-    x = _unpack(cfg, refs, backward=False)
-    first_out, final_ref, state_ref = x["rest"]
-    walk_chunk(state_ref, final_ref, x.get("initial_state"),
-               lambda s0: _forward_chunk(cfg, emit_states, x, first_out, s0))
-
-
 def _forward_chunk(cfg: Config, emit_states: bool, x, first_out, s0):
     """Chunk j's output (or its start state S_0) into `first_out`; returns S_1."""
     qf, kf, vf = (x[name][...].astype(F32) for name in ("q", "k", "v"))
@@ -379,8 +372,7 @@ def _inputs(cfg: Config, prepared, specs, backward: bool):
 def _forward(cfg: Config, prepared, emit_states: bool):
     specs = block_specs(cfg, reverse=False)
     arrays, in_specs = _inputs(cfg, prepared, specs, backward=False)
-    return forward_call(functools.partial(_forward_kernel, cfg, emit_states), arrays, specs, in_specs, emit_states,
-                        chunk_size=cfg.chunk_size, name="kda_chunk",
+    return forward_call(_unpack, _forward_chunk, cfg, arrays, specs, in_specs, emit_states, name="kda_chunk",
                         vmem_limit_bytes=vmem_budget(cfg, prepared["q"].dtype.itemsize, backward=False))
 
 

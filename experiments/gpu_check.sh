@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One device call: install the repo, run the GPU tests of the Pallas kernels, time them.
-#   MODE=all (default) or a comma list of sweep, precision, tests, kda_tests, bench, kda_bench, memory;  logs go to $OUT (or ./gpu_logs).
+#   MODE=all (default) or a comma list of sweep, precision, tests, kda_tests, bench, kda_bench, memory,
+#   mosaic_bench, ptx_check, mosaic_tests;  logs go to $OUT (or ./gpu_logs).
+#   The Hopper kernels: MODE=mosaic_bench,ptx_check (~4 min on an H200), then MODE=mosaic_tests (~5 min with 8
+#   TEST_WORKERS); together they come near one device call's 10-minute limit.
 set -u -o pipefail
 OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT"
@@ -51,4 +54,34 @@ fi
 if want memory; then
   timeout ${MEMORY_TIMEOUT:-200} python3 experiments/bench_rules.py --rule=gated_deltanet --impls=pallas \
     --sizes=1x65536x16x128 --peak_memory --timing=each --warmup=1 --iters=3 2>&1 | grep --line-buffered -v Warning | tee "$OUT/memory.log"
+fi
+# The Mosaic GPU (Hopper) kernels: impl="mosaic" timed for both rules, then their PTX checked for accumulator reads
+# that make ptxas serialize wgmmas (note C7514; docs/mosaic.md, "Serialized wgmmas"), then their compiled tests.
+MOSAIC_BENCH_SIZES=${MOSAIC_BENCH_SIZES:-8x2048x16x128,1x32768x16x128}
+if want mosaic_bench; then
+  for rule in gated_deltanet kda; do
+    timeout ${MOSAIC_BENCH_TIMEOUT:-150} python3 experiments/bench_rules.py --rule=$rule --impls=mosaic \
+      --sizes="$MOSAIC_BENCH_SIZES" --bandwidth_gbs=${BANDWIDTH_GBS:-4300} ${BENCH_EXTRA:-} 2>&1 \
+      | grep --line-buffered -v Warning | tee "$OUT/bench_mosaic_$rule.log"
+  done
+fi
+if want ptx_check; then
+  for rule in gated_deltanet kda; do
+    dump=$(mktemp -d)
+    MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$dump" timeout ${PTX_TIMEOUT:-120} \
+      python3 experiments/bench_rules.py --rule=$rule --impls=mosaic --sizes=8x2048x16x128 --iters=1 \
+      >"$OUT/ptx_$rule.log" 2>&1
+    if compgen -G "$dump/*.ptx" >/dev/null; then
+      python3 experiments/wgmma_reads.py "$dump"/*.ptx 2>&1 | tee -a "$OUT/ptx_check.log" | grep -v "PTX line"
+    else
+      echo "$rule: no PTX dumped (see $OUT/ptx_$rule.log)" | tee -a "$OUT/ptx_check.log"
+    fi
+    cat "$dump"/*.ptxas 2>/dev/null | grep -E "C751|spill|Used" | sort | uniq -c | tee -a "$OUT/ptx_check.log"
+    rm -rf "$dump"
+  done
+fi
+if want mosaic_tests; then
+  timeout ${MOSAIC_TEST_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider $PARALLEL -rf \
+    tests/kernels/test_mosaic_{wy,wy_grads,wy_reverse,kda,kda_grads,vectors}.py -k gpu 2>&1 \
+    | tee "$OUT/pytest_mosaic.log" | grep -E "FAIL|Error|passed|failed"
 fi

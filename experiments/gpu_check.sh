@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call: install the repo, run the GPU tests of the Pallas kernels, time them.
 #   MODE=all (default) or a comma list of sweep, precision, tests, kda_tests, bench, kda_bench, memory,
-#   mosaic_bench, ptx_check, mosaic_tests;  logs go to $OUT (or ./gpu_logs).
-#   The Hopper kernels: MODE=mosaic_bench,ptx_check (~4 min on an H200), then MODE=mosaic_tests (~5 min with 8
-#   TEST_WORKERS); together they come near one device call's 10-minute limit.
+#   ptx_check, mosaic_tests;  logs go to $OUT (or ./gpu_logs).
+#   The Hopper kernels (impl="mosaic"): MODE=bench,kda_bench,ptx_check BENCH_IMPLS=mosaic KDA_BENCH_IMPLS=mosaic
+#   BENCH_SIZES=8x2048x16x128,1x32768x16x128 BENCH_EXTRA=--bandwidth_gbs=4300 (~4 min on an H200), then
+#   MODE=mosaic_tests (~5 min with 8 TEST_WORKERS); together they come near one device call's 10-minute limit.
 set -u -o pipefail
 OUT=${OUT:-gpu_logs}
 mkdir -p "$OUT"
@@ -55,16 +56,8 @@ if want memory; then
   timeout ${MEMORY_TIMEOUT:-200} python3 experiments/bench_rules.py --rule=gated_deltanet --impls=pallas \
     --sizes=1x65536x16x128 --peak_memory --timing=each --warmup=1 --iters=3 2>&1 | grep --line-buffered -v Warning | tee "$OUT/memory.log"
 fi
-# The Mosaic GPU (Hopper) kernels: impl="mosaic" timed for both rules, then their PTX checked for accumulator reads
-# that make ptxas serialize wgmmas (note C7514; docs/mosaic.md, "Serialized wgmmas"), then their compiled tests.
-MOSAIC_BENCH_SIZES=${MOSAIC_BENCH_SIZES:-8x2048x16x128,1x32768x16x128}
-if want mosaic_bench; then
-  for rule in gated_deltanet kda; do
-    timeout ${MOSAIC_BENCH_TIMEOUT:-150} python3 experiments/bench_rules.py --rule=$rule --impls=mosaic \
-      --sizes="$MOSAIC_BENCH_SIZES" --bandwidth_gbs=${BANDWIDTH_GBS:-4300} ${BENCH_EXTRA:-} 2>&1 \
-      | grep --line-buffered -v Warning | tee "$OUT/bench_mosaic_$rule.log"
-  done
-fi
+# The Mosaic GPU (Hopper) kernels: their PTX checked for accumulator reads that make ptxas serialize wgmmas (note
+# C7514; docs/mosaic.md, "Serialized wgmmas"), then their compiled tests. (Time them with the bench modes above.)
 if want ptx_check; then
   for rule in gated_deltanet kda; do
     dump=$(mktemp -d)

@@ -57,13 +57,24 @@ VARIANTS = {
 }
 
 
+# The two passes' final states (fp32) to the bound of a flipped bf16 rounding rather than 1e-5: both read the
+# state rounded to bf16 (y = V - (A.K) bf16(S)), and where their fp32 sums differ in the last bit, an element of
+# bf16(S) near a rounding boundary rounds the other way (0-6 elements per chunk start state at K = V = 128). The
+# flipped element moves y by an ulp of itself times a column of A.K, and the state after it by that through u.
+# Measured on CPU (2026-12-03, T = 130, packed, Hv = 2, one CTA per head, 40 draws): 3.6e-7 at most in the 9 draws
+# where no start state that reaches the final state had a flip, up to 3.9e-6 in the 31 where one had; CI on
+# another CPU drew 1.85e-5 (seed 1881883527). The outputs stay per element: one ulp of bf16 at most.
+FLIPPED_STATE_TOL = 5e-4
+
+
 def _against_triton(x, label, per_element=True, **overrides):
     """The Mosaic pass against the fp32 scan (bf16 bounds, no gradients) and against the Triton pass on the same
     call (`overrides` on both)."""
     mosaic = _config(x, pass_backend="mosaic", **overrides)
     _check(x, BF16_OUT_TOL, None, fn=_fn(mosaic), label=label)
     triton = dataclasses.replace(mosaic, pass_backend="triton")
-    _assert_equal_up_to_16_bit_rounding(_call(_fn(mosaic), x), _call(_fn(triton), x), per_element=per_element)
+    _assert_equal_up_to_16_bit_rounding(_call(_fn(mosaic), x), _call(_fn(triton), x), per_element=per_element,
+                                        fp32_tol=FLIPPED_STATE_TOL)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -108,14 +119,15 @@ def _pass_outputs(cfg, x):
 def test_saved_states_and_u_equal_the_triton_pass_in_interpreter(variant):
     """Differentiated, the pass writes every chunk's start state as bf16 and u as its bf16 pair, what the Triton
     pass writes with bf16 storage and `grads_from_passes`: o, the final and the start states equal up to the bf16
-    rounding flips, u (hi + lo; the lo halves alone differ where u differs in its last fp32 bits) to 1e-5, which u's
-    hi half alone misses."""
+    rounding flips (the final state to `FLIPPED_STATE_TOL`), u (hi + lo; the lo halves alone differ where u differs
+    in its last fp32 bits) to 1e-5, which u's hi half alone misses (a flip moves 64 of u's 25,600 elements: on CPU,
+    19 draws, 8.6e-7 at most with flips, the hi half alone 1.6e-3)."""
     x = _bf16_case(_inputs(T=200, B=1, H=1, Hv=1, K=D, V=D, packed=False))
     mosaic = _config(x, pass_backend="mosaic", **VARIANTS[variant])
     triton = dataclasses.replace(mosaic, pass_backend="triton")
     (o, final, starts, u), (o_t, final_t, starts_t, u_t) = _pass_outputs(mosaic, x), _pass_outputs(triton, x)
     assert starts.dtype == u[0].dtype == u[1].dtype == jnp.bfloat16
-    _assert_equal_up_to_16_bit_rounding((o, final, starts), (o_t, final_t, starts_t))
+    _assert_equal_up_to_16_bit_rounding((o, final, starts), (o_t, final_t, starts_t), fp32_tol=FLIPPED_STATE_TOL)
     u_sum, u_sum_t = (pair[0].astype(jnp.float32) + pair[1].astype(jnp.float32) for pair in (u, u_t))
     assert relative_error(u_sum, u_sum_t) <= 1e-5
     assert relative_error(u[0].astype(jnp.float32), u_sum_t) > 1e-5

@@ -386,9 +386,14 @@ def _forward(cfg: Config, prepared, emit_states: bool):
 # ----------------------------------------------------------------------------------------------------------------
 # Backward: chunks in reverse, dS carried in VMEM
 
-def _backward_kernel(cfg: Config, *refs):
-    x = _unpack(cfg, refs, backward=True)
-    out = dict(zip(_backward_outputs(cfg), x["rest"]))
+def backward_kernel(unpack, backward_chunk, output_names, cfg, *refs):
+    """The reverse program of either kernel family at step j = program_id(1), which visits the chunks last to first:
+    `unpack(cfg, refs, backward=True)` names the refs, the outputs in the order of `output_names` (d_initial last),
+    then the dS scratch; `backward_chunk(cfg, x, out, ds1, s0)` writes the chunk's gradients into `out` (a dict by
+    name) from dL/dS_1 and the saved S_0, and returns dL/dS_0. dL/dS_1 comes from the VMEM scratch (at j = 0, the
+    final state's cotangent), dL/dS_0 goes back into it and, after the first chunk, into d_initial."""
+    x = unpack(cfg, refs, backward=True)
+    out = dict(zip(output_names, x["rest"]))
     dstate_ref = x["rest"][-1]
     j = pl.program_id(1)
 
@@ -397,8 +402,16 @@ def _backward_kernel(cfg: Config, *refs):
         dstate_ref[...] = x["d_final"][...]
 
     # Invariant: dstate_ref holds dL/dS_1 of the chunk visited at step j (the gradient at its end).
-    ds1 = dstate_ref[...]
-    s0 = x["chunk_state"][...]
+    ds0 = backward_chunk(cfg, x, out, dstate_ref[...], x["chunk_state"][...])
+    dstate_ref[...] = ds0
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _store_initial():
+        out["d_initial"][...] = ds0
+
+
+def _backward_chunk(cfg: Config, x, out, ds1, s0):
+    """Chunk j's dq, dk, dv (and dbeta, dg, dg_row, de) into `out`; returns dL/dS_0."""
     q, k, v = x["q"][...], x["k"][...], x["v"][...]
     do = x["do"][...].astype(F32)
     qf, kf, vf = q.astype(F32), k.astype(F32), v.astype(F32)
@@ -471,11 +484,7 @@ def _backward_kernel(cfg: Config, *refs):
     out["dq"][...] = dq
     out["dk"][...] = dk
     out["dv"][...] = dv
-    dstate_ref[...] = ds0
-
-    @pl.when(j == pl.num_programs(1) - 1)
-    def _store_initial():
-        out["d_initial"][...] = ds0
+    return ds0
 
 
 def _backward_outputs(cfg: Config):
@@ -508,8 +517,9 @@ def _backward(cfg: Config, prepared, chunk_states, do, d_final):
         dg_row=(jax.ShapeDtypeStruct((B, Hv, N, 1, C), F32), specs["row"]),
         d_initial=(jax.ShapeDtypeStruct((B, Hv, Kp, Vp), F32), specs["state"]))
     names = _backward_outputs(cfg)
-    results = chunk_walk_call(functools.partial(_backward_kernel, cfg), arrays, in_specs,
-                              [outputs[name] for name in names], chunk_size=C, name="delta_rule_chunk_backward",
+    kernel = functools.partial(backward_kernel, _unpack, _backward_chunk, names, cfg)
+    results = chunk_walk_call(kernel, arrays, in_specs, [outputs[name] for name in names], chunk_size=C,
+                              name="delta_rule_chunk_backward",
                               vmem_limit_bytes=vmem_budget(cfg, q.dtype.itemsize, backward=True))
     return dict(zip(names, results))
 

@@ -47,7 +47,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from deltajax.kernels.tpu.chunk import (
     CHUNK_SIZES,
@@ -63,6 +62,7 @@ from deltajax.kernels.tpu.chunk import (
     _round_up,
     _row_sum,
     _unit_lower_inverse,
+    backward_kernel,
     block_specs,
     chunk_walk_call,
     forward_call,
@@ -382,19 +382,9 @@ def _forward(cfg: Config, prepared, emit_states: bool):
 BACKWARD_OUTPUTS = ("dq", "dk", "dv", "dbeta", "dg", "de", "dgamma", "d_initial")
 
 
-def _backward_kernel(cfg: Config, *refs):
-    x = _unpack(cfg, refs, backward=True)
-    out = dict(zip(BACKWARD_OUTPUTS, x["rest"]))
-    dstate_ref = x["rest"][-1]
-    j = pl.program_id(1)
-
-    @pl.when(j == 0)
-    def _init():
-        dstate_ref[...] = x["d_final"][...]
-
-    # Invariant: dstate_ref holds dL/dS_1 of the chunk visited at step j (the gradient at its end).
-    ds1 = dstate_ref[...]
-    s0 = x["chunk_state"][...]
+def _backward_chunk(cfg: Config, x, out, ds1, s0):
+    """Chunk j's dq, dk, dv, dbeta, dg, de and dgamma into `out` (`chunk.backward_kernel` walks the chunks); returns
+    dL/dS_0."""
     qf, kf, vf = (x[name][...].astype(F32) for name in ("q", "k", "v"))
     do = x["do"][...].astype(F32)
     beta, beta_row, gamma = x["beta"][...], x["beta_row"][...], x["gamma"][...]
@@ -441,11 +431,7 @@ def _backward_kernel(cfg: Config, *refs):
     out["dg"][...] = a * (qf * dqa + beta * kdb_w) + qf * left_p + kf * (left_r - right)
     out["de"][...] = kf * dke * e
     out["dgamma"][...] = dgamma
-    dstate_ref[...] = ds0
-
-    @pl.when(j == pl.num_programs(1) - 1)
-    def _store_initial():
-        out["d_initial"][...] = ds0
+    return ds0
 
 
 def _backward(cfg: Config, prepared, chunk_states, do, d_final):
@@ -466,8 +452,9 @@ def _backward(cfg: Config, prepared, chunk_states, do, d_final):
         dbeta=(jax.ShapeDtypeStruct((B, Hv, Tp, 1), F32), specs["column"]),
         dgamma=(jax.ShapeDtypeStruct((B, Hv, N, Kp, 1), F32), specs["channel_column"]),
         d_initial=(jax.ShapeDtypeStruct((B, Hv, Kp, Vp), F32), specs["state"]))
-    results = chunk_walk_call(functools.partial(_backward_kernel, cfg), arrays, in_specs,
-                              [outputs[name] for name in BACKWARD_OUTPUTS], chunk_size=C, name="kda_chunk_backward",
+    kernel = functools.partial(backward_kernel, _unpack, _backward_chunk, BACKWARD_OUTPUTS, cfg)
+    results = chunk_walk_call(kernel, arrays, in_specs, [outputs[name] for name in BACKWARD_OUTPUTS], chunk_size=C,
+                              name="kda_chunk_backward",
                               vmem_limit_bytes=vmem_budget(cfg, q.dtype.itemsize, backward=True))
     return dict(zip(BACKWARD_OUTPUTS, results))
 

@@ -8,7 +8,8 @@ Columns (ms, marginal device time per call, `_timing.marginal_ms`): the chunk-pa
 the Triton inverse, the per-token vectors), the Mosaic pass alone, the whole forward, and the Triton forward. With
 --error_size, the relative errors of o and of the final state against the fp32 scan on the same bf16 inputs
 (with the config timed at each size).
-bf16 q/k/v, K = V = 128, Hv = H, scalar decay, no documents, no initial state.
+bf16 q/k/v, K = V = D (128, or 64: the Mosaic forward pass with the Triton backward), Hv = H, scalar decay, no
+documents, no initial state.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from _kernel_inputs import kernel_inputs  # experiments/
 from _mosaic_calls import training_step_cells  # experiments/
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (D must be 128).")
+flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (D in mosaic_wy.HEAD_DIMS).")
 flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
 flags.DEFINE_integer("iters", 20, "Calls per timing queue (`marginal_ms`).")
 flags.DEFINE_string("error_size", "", "BxTxHxD where each variant's error against the fp32 scan is measured.")
@@ -37,7 +38,7 @@ flags.DEFINE_bool("residuals", False, "Also time the forward as differentiation 
                   "the residuals of the backward), for the variant and for the Triton path.")
 flags.DEFINE_bool("fwd_bwd", False, "Also time forward+backward (the gradients of sum(o) + sum(final state)).")
 
-# Each variant overrides fields of `mosaic_wy.default_config(batch_heads=B * H)`.
+# Each variant overrides fields of `mosaic_wy.default_config(batch_heads=B * H, key_dim=D, value_dim=D)`.
 VARIANTS = {
     "default": {},
     "separate": dict(lo_accumulators="separate"),
@@ -74,8 +75,9 @@ def inputs(B, T, H, D, seed=0):
     return kernel_inputs(B, T, H, D, per_channel=False, seed=seed)
 
 
-def config_of(name, batch_heads):
-    return dataclasses.replace(mosaic_wy.default_config(batch_heads=batch_heads), **VARIANTS[name])
+def config_of(name, batch_heads, D):
+    base = mosaic_wy.default_config(batch_heads=batch_heads, key_dim=D, value_dim=D)
+    return dataclasses.replace(base, **VARIANTS[name])
 
 
 def forward(cfg, D):
@@ -134,7 +136,7 @@ def main(argv):
             triton_residuals = f"{ms(with_residuals(triton_call), q, k, v, beta, log_decay):.3f}"
         for name in FLAGS.variants:
             try:
-                cfg = config_of(name, B * H)
+                cfg = config_of(name, B * H, D)
                 prepare, run = pieces(cfg, B, T, H, D, q, k, v, beta, log_decay)
                 pass_inputs = prepare(q, k, beta, log_decay)
                 cells = [ms(prepare, q, k, beta, log_decay), ms(run, q, k, v, *pass_inputs),

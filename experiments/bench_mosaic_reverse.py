@@ -63,7 +63,7 @@ def main(argv):
         do = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.bfloat16)
         dfinal = jax.random.normal(jax.random.PRNGKey(8), (B, H, D, D), jnp.float32)
         t_pair = t if t.ndim == 5 else jax.jit(lambda t: jnp.stack(split_bf16_in_xla(t)))(t)
-        vectors = jax.jit(mosaic_wy._pass_vectors)(g, beta, doc, carry, tail)
+        vectors = jax.jit(mosaic_wy._pass_vectors, static_argnums=5)(g, beta, doc, carry, tail, D)
         base = mosaic_wy.default_config(batch_heads=B * H)
         pair_sum = lambda p: p[0].astype(jnp.float32) + p[1].astype(jnp.float32)
         row, outputs = [size], None

@@ -30,7 +30,7 @@ def main(argv):
     del argv
     B, T, H, D = (int(x) for x in FLAGS.size.split("x"))
     args = inputs(B, T, H, D)
-    cfg = config_of(FLAGS.variant, B * H)
+    cfg = config_of(FLAGS.variant, B * H, D)
     run = training_step(cfg, D) if FLAGS.backward else forward(cfg, D)
     for _ in range(FLAGS.calls):
         jax.block_until_ready(run(*args))

@@ -89,6 +89,8 @@ def supports_mosaic(call: dispatch.RuleCall) -> bool:
         return False
     if call.dtype != "bfloat16" or call.chunk_size != mosaic_wy.CHUNK or call.value_heads % call.key_heads:
         return False
+    # K = V = 128 only: `chunk_wy_mosaic` also takes 64 (`mosaic_wy.HEAD_DIMS`, tested in the interpreter and lowered
+    # for an abstract H100), which joins here once it has run and been timed on a GPU.
     if call.key_dim != mosaic_wy.HEAD_DIM or call.value_dim != mosaic_wy.HEAD_DIM:
         return False
     if call.batch < 1 or call.seq_len < 1 or call.batch * call.value_heads > MAX_BATCH_HEADS:

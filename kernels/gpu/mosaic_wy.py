@@ -29,14 +29,14 @@ Per chunk (C = 64, K = 128, BV = 64), with the wgmma shapes M x N x K:
     S  = carry_C exp(G_C) S_0 + k^T @ (tail exp(G_C - G) (.) u)
                                       2 x (128 x 64 x 64), k^T a transposed SMEM view         (6)
 
-Inputs are bf16 q/k/v with K = V = 128; Hv value heads, a multiple of the H key heads (the kernels read value
-head h's q and k at key head h // (Hv / H); T, beta and the gates are per value head); the per-token scalars carry
-exp(G), tail exp(G_C - G), the chunk survival factor and the document masks are computed in XLA as in
-`wy_chunk.chunk_wy`. Differentiated (a `custom_vjp`), the pass also writes what the backward reads (every chunk's
-start state, and u as its bf16 pair, by TMA from the operand tiles); the backward is the Mosaic reverse pass
-(writing every chunk's end-state cotangent and dx as its bf16 pair) and the Mosaic GPU gradient kernel
-(`mosaic_wy_grads`). With few heads per call the Triton passes run instead (`Config.mosaic_forward`,
-`Config.mosaic_reverse`).
+Inputs are bf16 q/k/v with K = V = 128 (or 64, each: `HEAD_DIMS`, the forward pass only); Hv value heads, a
+multiple of the H key heads (the kernels read value head h's q and k at key head h // (Hv / H); T, beta and the
+gates are per value head); the per-token scalars carry exp(G), tail exp(G_C - G), the chunk survival factor and
+the document masks are computed in XLA as in `wy_chunk.chunk_wy`. Differentiated (a `custom_vjp`), the pass also
+writes what the backward reads (every chunk's start state, and u as its bf16 pair, by TMA from the operand tiles);
+the backward is the Mosaic reverse pass (writing every chunk's end-state cotangent and dx as its bf16 pair) and
+the Mosaic GPU gradient kernel (`mosaic_wy_grads`). With few heads per call the Triton passes run instead
+(`Config.mosaic_forward`, `Config.mosaic_reverse`); at other head dims than 128 the Triton backward.
 """
 
 from __future__ import annotations
@@ -57,7 +57,12 @@ from deltajax.kernels.gpu import wy_chunk
 from deltajax.kernels.gpu.common import split_bf16_in_xla
 
 F32, BF16 = mc.F32, mc.BF16
-HEAD_DIM = 128  # the only K and V supported
+# K and V of the forward pass, each. The reverse pass and the gradient kernel (`mosaic_wy_grads`), and one CTA per
+# head, take K = V = 128 only: other sizes run the Triton backward (`Config.grads="triton"`) around the Mosaic
+# forward pass. K = V = 64 and the mixed sizes run in the interpreter and lower for an abstract H100; the dispatch
+# sends them to the Triton kernels until they have run on a GPU (`kernels/gpu/__init__.py`, `supports_mosaic`).
+HEAD_DIM = 128
+HEAD_DIMS = (64, 128)
 CHUNK = 64  # the only chunk size supported
 BLOCK_V = 64  # BV: V columns of the state per CTA by default (`Config.block_v`)
 BLOCK_VS = (16, 32, 64)
@@ -159,23 +164,40 @@ class Config:
                              f"{self.block_v}")
 
 
-def default_config(interpret=False, batch_heads=None):
+def default_config(interpret=False, batch_heads=None, key_dim=HEAD_DIM, value_dim=HEAD_DIM):
     """The knobs as shipped (docs/mosaic.md, "Config knobs on the H100"): plain-bf16 state products and P from
     registers, which the interpreter cannot run, so there P goes through SMEM. With at least
     `SHARED_HEAD_MIN_BATCH_HEADS` value heads in the call (B * Hv), one CTA per head with two consumer warpgroups;
     with few enough that V/32 CTAs per head fit one wave on `SM_COUNT` SMs, state blocks of 32 columns. Below
-    `MOSAIC_FORWARD_MIN_BATCH_HEADS` heads, the Triton forward pass (faster there)."""
+    `MOSAIC_FORWARD_MIN_BATCH_HEADS` heads, the Triton forward pass (faster there). Head dims other than
+    K = V = 128 (`HEAD_DIMS`): one warpgroup per CTA and the Triton backward (`check_config`); the thresholds are
+    those measured at 128 (not yet measured there)."""
+    full = key_dim == value_dim == HEAD_DIM
+    other_dims = {} if full else dict(grads="triton")
     if interpret:
-        return Config(p_operand="smem")
+        return Config(p_operand="smem", **other_dims)
     if batch_heads is None:
-        return Config()
+        return Config(**other_dims)
     mosaic_passes = batch_heads >= MOSAIC_FORWARD_MIN_BATCH_HEADS
-    passes = dict(mosaic_forward=mosaic_passes, mosaic_reverse=mosaic_passes)
-    if batch_heads >= SHARED_HEAD_MIN_BATCH_HEADS:
+    passes = dict(mosaic_forward=mosaic_passes, mosaic_reverse=mosaic_passes, **other_dims)
+    if full and batch_heads >= SHARED_HEAD_MIN_BATCH_HEADS:
         return Config(warpgroups=2, **passes)
-    if batch_heads * (HEAD_DIM // NARROW_BLOCK_V) <= SM_COUNT:
+    if batch_heads * (value_dim // NARROW_BLOCK_V) <= SM_COUNT:
         return Config(block_v=NARROW_BLOCK_V, **passes)
     return Config(**passes)
+
+
+def check_config(cfg, key_dim, value_dim):
+    """The knobs that depend on the head dims (`Config` checks the others): one CTA per head and the Mosaic
+    backward (reverse pass and gradient kernel) take K = V = `HEAD_DIM` only."""
+    if (key_dim, value_dim) == (HEAD_DIM, HEAD_DIM):
+        return
+    dims = f"K = V = {HEAD_DIM}, got K={key_dim}, V={value_dim}"
+    if cfg.warpgroups != 1:
+        raise ValueError(f"warpgroups=2 (one CTA per head) takes {dims}; use warpgroups=1")
+    if cfg.grads != "triton":
+        raise ValueError(f"grads={cfg.grads!r} (the Mosaic reverse pass and gradient kernel) takes {dims}; use "
+                         "grads='triton'")
 
 
 def _swizzle(cfg):
@@ -246,8 +268,8 @@ def _forward_step(cfg, tiles, inputs, s, out_tiles, *, scale, segmented):
     o_tile, *saved = out_tiles
     saves_u = len(saved) == 3
     saved = saved or None
-    C, K, BV = CHUNK, HEAD_DIM, cfg.block_v
     q, k, v, t_hi, t_lo, g_hi, g_lo, beta, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c = inputs
+    C, K, BV = CHUNK, q.shape[-1], cfg.block_v
     separate = cfg.lo_accumulators == "separate"
     split_state = cfg.state_dots == "split"
     p_in_smem = tiles.p_hi is not None
@@ -378,8 +400,8 @@ def _reverse_step(cfg, tiles, inputs, ds, out_tiles, *, scale, segmented):
     K dS reads dS rounded to bf16 (`Config.state_dots`) and q^T's operand f (.) dO is rounded to bf16 (exact where
     f is 1), as in the Triton pass (`state_dots` "bf16"); the other fp32 operands enter split. `out_tiles`: the
     GMEM tiles of the chunk's end-state cotangent (bf16) and of dx's bf16 hi and lo, copied from SMEM by TMA."""
-    C, K, BV = CHUNK, HEAD_DIM, cfg.block_v
     q, k, do, t_hi, t_lo, g_hi, g_lo, beta, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c = inputs
+    C, K, BV = CHUNK, q.shape[-1], cfg.block_v
     dend_tile, dx_hi_tile, dx_lo_tile = out_tiles
     separate = cfg.lo_accumulators == "separate"
     split_state = cfg.state_dots == "split"
@@ -445,10 +467,10 @@ def _reverse_step(cfg, tiles, inputs, ds, out_tiles, *, scale, segmented):
     return mc.wgmma_layout(mc.rows(survive, BV) * ds + scale * update)
 
 
-def _in_specs(cfg, block_v, nt, reverse):
-    """The pipeline's BlockSpecs, in `_forward_step`'s order of inputs (v's block is C x block_v); with `reverse`
-    pipeline step n loads chunk nt - 1 - n."""
-    C, K = CHUNK, HEAD_DIM
+def _in_specs(cfg, key_dim, block_v, nt, reverse):
+    """The pipeline's BlockSpecs, in `_forward_step`'s order of inputs (q and k's blocks are C x key_dim, v's
+    C x block_v); with `reverse` pipeline step n loads chunk nt - 1 - n."""
+    C, K = CHUNK, key_dim
     chunk = (lambda n: nt - 1 - n) if reverse else (lambda n: n)
     tiled = lambda shape: mc.tiled_spec(shape, lambda n: (chunk(n), 0), _swizzle(cfg))
     vector = lambda n=C: plgpu.BlockSpec(block_shape=(n,), index_map=lambda i: (chunk(i),))
@@ -464,11 +486,11 @@ def _pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b,
             survive_ref.at[bh], vec_ref.at[0, bh], vec_ref.at[1, bh], doc_ref.at[b], doc_ref.at[b])
 
 
-def _chunk_tiles(out_refs, kinds, b, h, i, cols):
+def _chunk_tiles(out_refs, kinds, b, h, i, cols, key_dim):
     """The GMEM tiles of chunk i of the per-chunk outputs: C x BV of a "tokens" array (B, Tp, Hv, V), K x BV of a
     "states" array (B, Hv, nt * K, V)."""
     tile = dict(tokens=lambda ref: ref.at[b, pl.ds(i * CHUNK, CHUNK), h, cols],
-                states=lambda ref: ref.at[b, h, pl.ds(i * HEAD_DIM, HEAD_DIM), cols])
+                states=lambda ref: ref.at[b, h, pl.ds(i * key_dim, key_dim), cols])
     return [tile[kind](ref) for ref, kind in zip(out_refs, kinds, strict=True)]
 
 
@@ -491,7 +513,8 @@ def _pass_body(*refs, step, kinds, reverse, nt, num_heads, group, cfg):
     Mosaic GPU's layout inference finds no solution when one SMEM vector is loaded in both the row and the column
     layout (see docs/mosaic.md)."""
     inputs, init_ref, last_ref, out_refs, scratch = _split_refs(refs, kinds)
-    tiles = _unpack_tiles(cfg, scratch, two_pairs=True, reverse=reverse)
+    key_dim = inputs[0].shape[-1]
+    tiles = _unpack_tiles(cfg, scratch, key_dim, two_pairs=True, reverse=reverse)
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
@@ -504,9 +527,9 @@ def _pass_body(*refs, step, kinds, reverse, nt, num_heads, group, cfg):
         (n,) = indices
         *chunk_inputs, s = chunk_inputs
         i = nt - 1 - n if reverse else n
-        return step(tiles, chunk_inputs, s, _chunk_tiles(out_refs, kinds, b, h, i, cols))
+        return step(tiles, chunk_inputs, s, _chunk_tiles(out_refs, kinds, b, h, i, cols, key_dim))
 
-    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(cfg, cfg.block_v, nt, reverse),
+    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(cfg, key_dim, cfg.block_v, nt, reverse),
                                    max_concurrent_steps=cfg.stages, init_carry=s0)
     last = pipeline(*_pipeline_refs(*inputs, b, h, bh, cols, h // group))
     last_ref.at[b, h, :, cols][...] = last
@@ -519,8 +542,9 @@ def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, group, cf
     (`emit_pipeline_warp_specialized`). q, k, T and the vectors are loaded once for both halves. Each consumer has
     its own scratch (a leading axis of 2 on every tile) with one operand pair x (to fit 227 KiB of SMEM)."""
     inputs, init_ref, last_ref, out_refs, scratch = _split_refs(refs, kinds)
+    key_dim, value_dim = inputs[0].shape[-1], inputs[2].shape[-1]
     wg = lax.axis_index("wg")
-    tiles = _unpack_tiles(cfg, [ref.at[wg] for ref in scratch], two_pairs=False, reverse=reverse)
+    tiles = _unpack_tiles(cfg, [ref.at[wg] for ref in scratch], key_dim, two_pairs=False, reverse=reverse)
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
     cols = pl.ds(wg * cfg.block_v, cfg.block_v)
@@ -530,7 +554,7 @@ def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, group, cf
         *chunk_inputs, s = chunk_inputs
         chunk_inputs[2] = chunk_inputs[2].at[:, cols]  # this warpgroup's half of v (dO)
         i = nt - 1 - n if reverse else n
-        return step(tiles, chunk_inputs, s, _chunk_tiles(out_refs, kinds, b, h, i, cols))
+        return step(tiles, chunk_inputs, s, _chunk_tiles(out_refs, kinds, b, h, i, cols, key_dim))
 
     def consumer(run_pipeline):
         s0 = plgpu.load(init_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
@@ -538,14 +562,14 @@ def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, group, cf
         plgpu.wait_smem_to_gmem(0)
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        chunk, grid=(nt,), in_specs=_in_specs(cfg, HEAD_DIM, nt, reverse), max_concurrent_steps=cfg.stages,
+        chunk, grid=(nt,), in_specs=_in_specs(cfg, key_dim, value_dim, nt, reverse), max_concurrent_steps=cfg.stages,
         memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=2, compute_context=consumer)
     pipeline(*_pipeline_refs(*inputs, b, h, bh, slice(None), h // group))
 
 
-def _tile_shapes(cfg, two_pairs, reverse):
+def _tile_shapes(cfg, key_dim, two_pairs, reverse):
     """`_Tiles`' fields in use, as (name, shape, tiled) in order."""
-    C, K, BV = CHUNK, HEAD_DIM, cfg.block_v
+    C, K, BV = CHUNK, key_dim, cfg.block_v
     shapes = [("s_hi", (K, BV))] + ([("s_lo", (K, BV))] if cfg.state_dots == "split" else [])
     shapes += [("x_hi", (C, BV)), ("x_lo", (C, BV))]
     shapes += [("u_hi", (C, BV)), ("u_lo", (C, BV))] if two_pairs else []
@@ -554,24 +578,26 @@ def _tile_shapes(cfg, two_pairs, reverse):
     return [(name, shape, True) for name, shape in shapes] + [("o_smem", (C, BV), reverse)]
 
 
-def _unpack_tiles(cfg, scratch, two_pairs, reverse):
+def _unpack_tiles(cfg, scratch, key_dim, two_pairs, reverse):
     fields = dict.fromkeys(f.name for f in dataclasses.fields(_Tiles))
-    for (name, _, _), ref in zip(_tile_shapes(cfg, two_pairs, reverse), scratch, strict=True):
+    for (name, _, _), ref in zip(_tile_shapes(cfg, key_dim, two_pairs, reverse), scratch, strict=True):
         fields[name] = ref
     return _Tiles(**fields)
 
 
-def _pass_kernel(cfg, step, kinds, out_type, dtype, *, reverse, nt, batch, num_heads, group, interpret, name):
+def _pass_kernel(cfg, step, kinds, out_type, dtype, *, reverse, nt, batch, num_heads, group, key_dim, value_dim,
+                 interpret, name):
     """The `plgpu.kernel` of a sequential pass (`_pass_body`, or `_pass_body_shared_head` with
-    `Config.warpgroups=2`) over `batch` rows of `num_heads` value heads, `group` of them per key head. `out_type`:
-    the state it ends with, then the per-chunk outputs (`kinds`); `dtype`: that of the forward's output tile."""
+    `Config.warpgroups=2`) over `batch` rows of `num_heads` value heads, `group` of them per key head, with head
+    dims `key_dim` and `value_dim`. `out_type`: the state it ends with, then the per-chunk outputs (`kinds`);
+    `dtype`: that of the forward's output tile."""
     body = dict(step=step, kinds=kinds, reverse=reverse, nt=nt, num_heads=num_heads, group=group, cfg=cfg)
     interpret = plgpu.InterpretGPUParams() if interpret else False
     batch_heads = batch * num_heads
     shared = cfg.warpgroups == 2
     lead = (2,) if shared else ()
     scratch = tuple(mc.tiled(lead + shape, _swizzle(cfg)) if tiled else plgpu.SMEM(lead + shape, dtype)
-                    for _, shape, tiled in _tile_shapes(cfg, not shared, reverse))
+                    for _, shape, tiled in _tile_shapes(cfg, key_dim, not shared, reverse))
     if shared:
         return plgpu.kernel(
             functools.partial(_pass_body_shared_head, **body), out_type=out_type, scratch_types=scratch,
@@ -579,7 +605,7 @@ def _pass_kernel(cfg, step, kinds, out_type, dtype, *, reverse, nt, batch, num_h
             compiler_params=plgpu.CompilerParams(), interpret=interpret, kernel_name=f"{name}_shared_head")
     return plgpu.kernel(
         functools.partial(_pass_body, **body), out_type=out_type, scratch_types=scratch,
-        grid=(HEAD_DIM // cfg.block_v, batch_heads), grid_names=("v_block", "head"),
+        grid=(value_dim // cfg.block_v, batch_heads), grid_names=("v_block", "head"),
         compiler_params=plgpu.CompilerParams(), interpret=interpret, kernel_name=name)
 
 
@@ -601,7 +627,8 @@ def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, seg
         kinds += ("tokens", "tokens")
     step = functools.partial(_forward_step, cfg, scale=scale, segmented=segmented)
     kernel = _pass_kernel(cfg, step, kinds, out_type, v.dtype, reverse=False, nt=Tp // CHUNK, batch=B, num_heads=H,
-                          group=H // q.shape[2], interpret=interpret, name="wy_forward_mosaic")
+                          group=H // q.shape[2], key_dim=K, value_dim=V, interpret=interpret,
+                          name="wy_forward_mosaic")
     final, o, *saved = kernel(q, k, v, t_pair, vectors, doc, survive, h0)
     return (o, final, *saved)
 
@@ -616,8 +643,8 @@ def _reverse_pass(cfg, q, k, do, t_pair, vectors, doc, survive, dfinal, *, scale
                 *(jax.ShapeDtypeStruct((B, Tp, H, V), BF16),) * 2)
     step = functools.partial(_reverse_step, cfg, scale=scale, segmented=segmented)
     kernel = _pass_kernel(cfg, step, ("states", "tokens", "tokens"), out_type, do.dtype, reverse=True,
-                          nt=Tp // CHUNK, batch=B, num_heads=H, group=H // q.shape[2], interpret=interpret,
-                          name="wy_reverse_mosaic")
+                          nt=Tp // CHUNK, batch=B, num_heads=H, group=H // q.shape[2], key_dim=K, value_dim=V,
+                          interpret=interpret, name="wy_reverse_mosaic")
     dh0, dends, dx_hi, dx_lo = kernel(q, k, do, t_pair, vectors, doc, survive, dfinal)
     return dh0, dends, (dx_hi, dx_lo)
 
@@ -627,23 +654,23 @@ def _triton_config(q, v, *, scale, segmented, interpret):
                                    interpret=interpret)
 
 
-def _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, *, segmented, interpret):
+def _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, *, key_dim, segmented, interpret):
     """The in-chunk gates g = [hi, lo] (2, B, Tp, H) and the passes' per-token inputs: (g, vectors, the document
-    index as fp32 (B, Tp), the survival factors (B*H, nt*K)). `Config.vectors` "kernel": one Triton kernel
-    (`mosaic_vectors.prologue`; the vectors' 6 rows are the gradient kernel's too); "xla": XLA (5 rows)."""
+    index as fp32 (B, Tp), the survival factors (B*H, nt*K), K = `key_dim`). `Config.vectors` "kernel": one Triton
+    kernel (`mosaic_vectors.prologue`; the vectors' 6 rows are the gradient kernel's too); "xla": XLA (5 rows)."""
     if cfg.vectors == "kernel":
         g, vectors, survive, doc_f = mosaic_vectors.prologue(log_decay, beta, doc, carry, tail, segmented=segmented,
-                                                             state_dim=HEAD_DIM, interpret=interpret)
+                                                             state_dim=key_dim, interpret=interpret)
         return g, vectors, doc_f, survive
     g = wy_chunk._gate_input(tcfg, log_decay)
-    return (g, *_pass_vectors(g, beta, doc, carry, tail))
+    return (g, *_pass_vectors(g, beta, doc, carry, tail, key_dim))
 
 
 def _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, *, segmented, interpret, reverse_fp32=False):
     """The chunk-parallel parts before the pass, in Triton (and XLA): (g, fp32 T where `reverse_fp32` asks for it
     else None, the pass's inputs (T as a bf16 pair (2, B, Tp, H, C), vectors, doc, survive))."""
-    g, vectors, doc_f, survive = _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, segmented=segmented,
-                                                interpret=interpret)
+    g, vectors, doc_f, survive = _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, key_dim=k.shape[-1],
+                                                segmented=segmented, interpret=interpret)
     if cfg.inverse_pair == "kernel":
         written = wy_chunk._inverse(tcfg, k, beta, g, doc, pair=True, fp32=reverse_fp32)
         t_fp32, t_pair = written if reverse_fp32 else (None, written)
@@ -662,11 +689,11 @@ def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segment
     return _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, segmented=segmented, interpret=interpret)[2]
 
 
-def _pass_vectors(g, beta, doc, carry, tail):
+def _pass_vectors(g, beta, doc, carry, tail, key_dim):
     """The per-token vectors of the passes (5, B*H, Tp), the document index as fp32 and the chunk survival factors
-    repeated K times (B*H, nt*K), in XLA (`Config.vectors="xla"`)."""
+    repeated K = `key_dim` times (B*H, nt*K), in XLA (`Config.vectors="xla"`)."""
     B, Tp, H = beta.shape
-    nt, C, K = Tp // CHUNK, CHUNK, HEAD_DIM
+    nt, C, K = Tp // CHUNK, CHUNK, key_dim
     vectors = mosaic_wy_grads.token_vectors(g, beta, carry, tail)
     hi, lo = (x.reshape(B, nt, C, H) for x in g)
     survive = carry.reshape(B, nt, C, 1)[:, :, -1] * jnp.exp(hi[:, :, -1] + lo[:, :, -1])  # (B, nt, H)
@@ -682,8 +709,8 @@ def _wy_mosaic(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
     if not cfg.mosaic_forward and cfg.vectors != "kernel":
         return wy_chunk._wy(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0)
     if not cfg.mosaic_forward:  # `wy_chunk._wy`'s forward on the kernel's gates
-        g, *_ = _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, segmented=segmented,
-                               interpret=interpret)
+        g, *_ = _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, key_dim=k.shape[-1],
+                               segmented=segmented, interpret=interpret)
         t = wy_chunk._inverses(tcfg, k, beta, g, doc)
         return wy_chunk._forward_pass(tcfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=False)
     *_, inputs = _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, segmented=segmented,
@@ -709,8 +736,8 @@ def _wy_mosaic_fwd(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
             return wy_chunk._wy_fwd(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0,
                                     u_pair=_mosaic_grads_apply(cfg, tcfg))
         # The Triton forward on the kernel's gates; its vectors kept for the backward.
-        g, *made = _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, segmented=segmented,
-                                  interpret=interpret)
+        g, *made = _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, key_dim=k.shape[-1],
+                                  segmented=segmented, interpret=interpret)
         out, residuals = wy_chunk._wy_fwd(tcfg, q, k, v, beta, log_decay, doc, carry, tail, h0,
                                           u_pair=_mosaic_grads_apply(cfg, tcfg), g=g)
         return out, (*residuals, tuple(made))
@@ -756,7 +783,7 @@ def _wy_mosaic_bwd(static, residuals, cotangents):
         return wy_chunk._wy_bwd(tcfg, tuple(residuals[:11]) + (u,), cotangents)
     # The forward's vectors (the kernel's 6 rows with `Config.vectors="kernel"`, or the Mosaic pass's XLA 5), or
     # made here in XLA (5 rows, and the gradient kernel's 6 in `grads`).
-    vectors, doc_f, survive = made[0] if made else _pass_vectors(g, beta, doc, carry, tail)
+    vectors, doc_f, survive = made[0] if made else _pass_vectors(g, beta, doc, carry, tail, k.shape[-1])
     with_kernel = cfg.vectors == "kernel" and bool(made)
     do, dfinal = cotangents
     do = do.astype(v.dtype)
@@ -783,15 +810,15 @@ def _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size):
     if q.ndim != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must have the same shape (B, T, H, K), got {q.shape} and {k.shape}")
     B, T, H, K = q.shape
-    if K != HEAD_DIM:
-        raise ValueError(f"q/k head dim K must be {HEAD_DIM} (the only size supported), got {K}")
+    if K not in HEAD_DIMS:
+        raise ValueError(f"q/k head dim K must be one of {HEAD_DIMS}, got {K}")
     if v.ndim != 4 or v.shape[:2] != (B, T):
         raise ValueError(f"v must have shape (B, T, Hv, V) matching q, got {v.shape}")
     if v.shape[2] % H:
         raise ValueError(f"value heads Hv must be a multiple of the key heads H (groups of Hv/H value heads share a "
                          f"key head), got Hv={v.shape[2]}, H={H}")
-    if v.shape[3] != HEAD_DIM:
-        raise ValueError(f"v head dim V must be {HEAD_DIM} (the only size supported), got {v.shape[3]}")
+    if v.shape[3] not in HEAD_DIMS:
+        raise ValueError(f"v head dim V must be one of {HEAD_DIMS}, got {v.shape[3]}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype != BF16:
             raise ValueError(f"{name} must be bfloat16 (the only input dtype supported), got {x.dtype}")
@@ -813,15 +840,19 @@ def _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size):
 def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64, interpret=None,
                     config=None):
     """Gated DeltaNet forward (o, final_state) with the sequential pass in Mosaic GPU; the signature of
-    `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K = V = 128, Hv a multiple of H, scalar or no decay, any T, optional
-    initial state and segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
+    `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K and V in `HEAD_DIMS` (the Mosaic backward and one CTA per head at
+    K = V = 128 only, `check_config`), Hv a multiple of H, scalar or no decay, any T, optional initial state and
+    segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
     kernel in the Mosaic GPU interpreter; `config`: a `Config` (default `default_config()`). Differentiated: the
     reverse pass (Mosaic GPU's from 32 value heads per call on, `Config.mosaic_reverse`), then the gradient kernel
     in Mosaic GPU (`Config.grads`)."""
     _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    cfg = default_config(interpret, batch_heads=q.shape[0] * v.shape[2]) if config is None else config
+    K, V = q.shape[3], v.shape[3]
+    cfg = (default_config(interpret, batch_heads=q.shape[0] * v.shape[2], key_dim=K, value_dim=V) if config is None
+           else config)
+    check_config(cfg, K, V)
     if cfg.p_operand == "registers" and interpret:
         raise ValueError("p_operand='registers' does not run in the Mosaic GPU interpreter (it takes wgmma's A from "
                          "SMEM only); use 'smem' there")

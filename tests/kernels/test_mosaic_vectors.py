@@ -73,7 +73,7 @@ def _check_prologue(inputs, segmented):
     # Everything else against the XLA functions the kernel replaces, on the kernel's own G (the passes' copy).
     g_rows = jnp.stack([jnp.moveaxis(vectors[r].reshape(B, H, Tp), 1, 2) for r in (0, 1)])
     expected = mosaic_wy_grads.token_vectors(g_rows, beta, carry, tail, doc)
-    _, expected_doc, expected_survive = mosaic_wy._pass_vectors(g_rows, beta, doc, carry, tail)
+    _, expected_doc, expected_survive = mosaic_wy._pass_vectors(g_rows, beta, doc, carry, tail, K)
     for row in (2, 5):  # beta, doc: copies
         np.testing.assert_array_equal(np.asarray(vectors[row]), np.asarray(expected[row]))
     # carry exp(G), tail exp(G_C - G), the survival factors: one exp each of an fp32 sum, whose rounding (ulp(x)/2

@@ -1,9 +1,9 @@
 """The Mosaic GPU forward pass of the Gated DeltaNet (`kernels/gpu/mosaic_wy.py`) against the fp32 token-by-token
 scan.
 
-On CPU: the kernel in the Mosaic GPU interpreter (bf16 q/k/v, K = V = 128; the scan on the same bf16-rounded
-inputs; outputs and final state <= 3e-3 relative), the kernel lowered for CUDA with an abstract H100, the errors
-for unsupported arguments and for differentiation. On a GPU: the compiled kernel at a larger size.
+On CPU: the kernel in the Mosaic GPU interpreter (bf16 q/k/v, K = V = 128, and K or V of 64; the scan on the
+same bf16-rounded inputs; outputs and final state <= 3e-3 relative), the kernel lowered for CUDA with an abstract
+H100, the errors for unsupported arguments and for differentiation. On a GPU: the compiled kernel at a larger size.
 """
 
 import dataclasses
@@ -247,6 +247,43 @@ def test_grouped_value_heads_gradients_match_scan_in_interpreter(config):
     _check_grads(x, cfg)
 
 
+# Head dims other than K = V = 128 (`mosaic_wy.HEAD_DIMS`): the Mosaic forward pass, the Triton backward.
+OTHER_HEAD_DIMS = [(64, 64), (64, 128), (128, 64)]
+
+
+@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
+def test_other_head_dims_match_scan_in_interpreter(K, V):
+    """K or V of 64: packed documents, an initial state, beta up to 2, T not a multiple of the chunk, two value heads
+    per key head (the default config for the dims: one warpgroup per CTA)."""
+    x = rule_inputs(fresh_key(), B=1, T=130, H=1, Hv=2, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
+                    with_initial_state=True)
+    config = mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V)
+    assert (config.warpgroups, config.grads) == (1, "triton")
+    _check(x, config=config)
+    if (K, V) == (64, 64):  # state blocks of 32 columns, two per head
+        _check(x, config=dataclasses.replace(config, block_v=32))
+
+
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 64)])
+def test_other_head_dims_gradients_match_scan_in_interpreter(K, V):
+    """Differentiated at K or V of 64: the Mosaic pass writes the start states and u for the Triton reverse pass
+    and gradient kernel (`_saves_triton_residuals`; the lowering test checks that no Triton forward pass runs);
+    every gradient against the fp32 scan's."""
+    x = rule_inputs(fresh_key(), B=1, T=100, H=2, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
+                    with_initial_state=True)
+    _check_grads(x, mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V))
+
+
+def test_other_head_dims_refuse_the_mosaic_backward_and_shared_heads():
+    x = rule_inputs(fresh_key(), B=1, T=64, H=1, K=64, V=64, dtype=jnp.bfloat16)
+    base = mosaic_wy.default_config(interpret=True, key_dim=64, value_dim=64)
+    for change, message in ((dict(grads="mosaic"), "grads='mosaic' .* takes K = V = 128, got K=64, V=64"),
+                            (dict(warpgroups=2, block_v=64), "warpgroups=2 .* takes K = V = 128")):
+        with pytest.raises(ValueError, match=message):
+            chunk_wy_mosaic(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], scale=0.3, initial_state=None,
+                            segment_ids=None, interpret=True, config=dataclasses.replace(base, **change))
+
+
 def test_recomputed_u_gives_the_gradients_of_saved_u_in_interpreter():
     """The gradient kernel forming u from T (`recompute_u`) against it reading the u the forward pass saved (the
     default): the same products in the same modes, so the gradients agree to fp32 summation order and
@@ -300,8 +337,8 @@ def test_saved_states_match_the_triton_pass_in_interpreter():
 
 
 @pytest.mark.parametrize("change,argument", [
-    (dict(K=64, V=64), "K must be 128"),
-    (dict(V=64), "V must be 128"),
+    (dict(K=32, V=32), r"K must be one of \(64, 128\)"),
+    (dict(V=256), r"V must be one of \(64, 128\)"),
     (dict(dtype=jnp.float32), "q must be bfloat16"),
     (dict(H=2, Hv=3), "Hv must be a multiple of the key heads H"),
     (dict(decay="vector"), "log_decay"),
@@ -341,6 +378,12 @@ def test_default_config_shares_heads_from_the_threshold():
         cfg = mosaic_wy.default_config(batch_heads=heads)
         assert cfg.mosaic_forward == cfg.mosaic_reverse == mosaic, (heads, cfg)
     assert mosaic_wy.default_config(interpret=True, batch_heads=threshold).p_operand == "smem"
+    # Other head dims: one warpgroup per CTA whatever the heads, and the Triton backward.
+    for K, V in OTHER_HEAD_DIMS:
+        for heads in (None, 16, threshold):
+            cfg = mosaic_wy.default_config(batch_heads=heads, key_dim=K, value_dim=V)
+            assert (cfg.warpgroups, cfg.grads) == (1, "triton"), (K, V, heads, cfg)
+    assert mosaic_wy.default_config(batch_heads=threshold).grads == "mosaic"
 
 
 def test_shared_head_needs_bf16_state_products():
@@ -425,16 +468,13 @@ def test_lowers_for_cuda(segmented, init, config):
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
-@pytest.mark.parametrize("config", ["default", "shared_head", "block_v32"])
-def test_grouped_value_heads_lower_for_cuda(config):
-    """Hv = 2H, the call and its gradient lowered for an abstract H100: the passes and the gradient kernel
-    index q and k by key head (one Mosaic GPU call forward, three in the gradient)."""
-    B, T, H, Hv = 1, 130, 2, 4
-    cfg = GPU_CONFIGS[config]
-    q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
-    v = jax.ShapeDtypeStruct((B, T, Hv, D), jnp.bfloat16)
+def _lowered_call_and_gradient(cfg, H, Hv, K=D, V=D, B=1, T=130):
+    """The text of the call with `cfg` and of its gradient (packed documents, an initial state) lowered for an
+    abstract H100."""
+    q = jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((B, T, Hv, V), jnp.bfloat16)
     gate = jax.ShapeDtypeStruct((B, T, Hv), jnp.float32)
-    h0 = jax.ShapeDtypeStruct((B, Hv, D, D), jnp.float32)
+    h0 = jax.ShapeDtypeStruct((B, Hv, K, V), jnp.float32)
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
 
     def call(q, k, v, beta, log_decay, h0, ids):
@@ -445,10 +485,19 @@ def test_grouped_value_heads_lower_for_cuda(config):
         o, s = call(*args)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
+    args = (q, q, v, gate, gate, h0, ids)
     with jax.sharding.use_abstract_mesh(H100):
-        forward = jax.jit(call).trace(q, q, v, gate, gate, h0, ids).lower(lowering_platforms=("cuda",)).as_text()
-        gradient = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))).trace(q, q, v, gate, gate, h0, ids).lower(
+        forward = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        gradient = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
+    return forward, gradient
+
+
+@pytest.mark.parametrize("config", ["default", "shared_head", "block_v32"])
+def test_grouped_value_heads_lower_for_cuda(config):
+    """Hv = 2H, the call and its gradient lowered for an abstract H100: the passes and the gradient kernel
+    index q and k by key head (one Mosaic GPU call forward, three in the gradient)."""
+    forward, gradient = _lowered_call_and_gradient(GPU_CONFIGS[config], H=2, Hv=4)
     assert forward.count("custom_call @mosaic_gpu_v2") == 1
     assert gradient.count("custom_call @mosaic_gpu_v2") == 3
 
@@ -485,6 +534,34 @@ def test_gradient_lowers_for_cuda(config):
     assert ("wy_grads_merged" in triton_kernels) != mosaic_grads, triton_kernels
     # The Triton forward pass ("wy_forward", or "wy_states" and "wy_output" where its output is split off).
     assert bool(triton_kernels & {"wy_forward", "wy_states"}) == (config == "triton_forward"), triton_kernels
+
+
+@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
+@pytest.mark.parametrize("heads", [4, 64])
+def test_other_head_dims_lower_for_cuda(K, V, heads):
+    """K or V of 64, the call and its gradient lowered for an abstract H100 at 4 value heads (state blocks of 32
+    columns) and 64: the Mosaic forward pass once, saving the residuals under differentiation, and the Triton
+    reverse pass and "merged" gradient kernel (no Triton forward pass)."""
+    cfg = mosaic_wy.default_config(batch_heads=max(heads, mosaic_wy.MOSAIC_FORWARD_MIN_BATCH_HEADS), key_dim=K,
+                                   value_dim=V)
+    forward, gradient = _lowered_call_and_gradient(cfg, H=heads, Hv=heads, K=K, V=V)
+    assert forward.count("custom_call @mosaic_gpu_v2") == gradient.count("custom_call @mosaic_gpu_v2") == 1
+    triton_kernels = set(re.findall(r'name = "(wy_[a-z_]+)"', gradient))
+    assert {"wy_inverse", "wy_reverse", "wy_grads_merged"} <= triton_kernels, triton_kernels
+    assert not triton_kernels & {"wy_forward", "wy_states"}, triton_kernels
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
+def test_gpu_other_head_dims_match_scan(K, V):
+    """Compiled, K or V of 64 at 64 value heads (the Mosaic forward pass; state blocks of 32 columns where V = 64):
+    the output, the final state and every gradient against the fp32 scan's."""
+    x = rule_inputs(fresh_key(), B=16, T=1000, H=4, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
+                    with_initial_state=True)
+    cfg = mosaic_wy.default_config(batch_heads=64, key_dim=K, value_dim=V)
+    assert cfg.mosaic_forward
+    _check(x, config=cfg)
+    _check_grads(x, cfg)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")

@@ -59,7 +59,7 @@ def _compare(x, cfg, interpret):
     t_pair = t if t.ndim == 5 else jnp.stack(split_bf16_in_xla(t))
 
     def mosaic(*a):
-        vectors = mosaic_wy._pass_vectors(g, beta, doc, carry, tail)
+        vectors = mosaic_wy._pass_vectors(g, beta, doc, carry, tail, D)
         dh0, dends, dx = mosaic_wy._reverse_pass(cfg, *a, *vectors, dfinal, scale=SCALE, segmented=segmented,
                                                  interpret=interpret)
         return dh0, dends, _pair_sum(dx)

@@ -164,7 +164,10 @@ def test_prepare_writes_t_and_p_as_pairs_the_reverse_pass_reads():
     P it writes otherwise, and the Triton reverse pass reads the pairs: the same products ("split" takes back hi
     and lo from hi + lo, but for the rare hi + lo that rounds to hi's neighbour: then another exact pair of the same
     sum), so the same outputs to fp32 rounding: d(initial state) to 1e-6, the bf16 end-state cotangents up to
-    rounding flips, dx (hi + lo; its lo half alone differs where dx differs in its last fp32 bits) to 1e-6."""
+    rounding flips, and dx (hi + lo) to the relative bound of a term downstream of such a flip, as in
+    `test_reverse_pass_equals_the_triton_one_in_interpreter`: dx takes (E.K) bf16(dS), and an element of bf16(dS)
+    that rounds the other way moves a row of dx by up to 2^-9 of that term (CI, seed 295985219: 1.05e-5 relative
+    against the 1e-6 it was held to, d(initial state) within 1e-6; on another CPU, 13 draws: 7.5e-7 at most)."""
     x = _bf16_case(_inputs(T=128, B=1, H=1, Hv=1, K=D, V=D, packed=False))
     mosaic = _config(x, pass_backend="mosaic")
     t_pair, p_pair, reverse_pairs = _prepare_and_reverse(mosaic, x)
@@ -176,7 +179,8 @@ def test_prepare_writes_t_and_p_as_pairs_the_reverse_pass_reads():
     (dh0, dends, dx), (dh0_t, dends_t, dx_t) = reverse_pairs, reverse
     assert relative_error(dh0, dh0_t) <= 1e-6
     _assert_equal_up_to_16_bit_rounding(dends, dends_t)
-    assert relative_error(*(pair[0].astype(jnp.float32) + pair[1].astype(jnp.float32) for pair in (dx, dx_t))) <= 1e-6
+    _assert_equal_up_to_16_bit_rounding(*(pair[0].astype(jnp.float32) + pair[1].astype(jnp.float32)
+                                          for pair in (dx, dx_t)), per_element=False)
 
 
 @pytest.mark.parametrize("variant", ["bv64", "bv32"])

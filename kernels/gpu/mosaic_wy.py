@@ -501,7 +501,7 @@ def _split_refs(refs, kinds):
     return refs[:7], refs[7], refs[8], refs[9:n], list(refs[n:])
 
 
-def _pass_body(*refs, step, kinds, reverse, nt, num_heads, group, cfg):
+def _pass_body(*refs, step, kinds, reverse, nt, num_heads, group, key_dim, cfg):
     """One CTA of one warpgroup: value head bh = b * Hv + h, V block j; walks the chunks in order (`reverse`: last
     first) with its state block in registers, s = step(tiles, inputs, s, out_tiles) per chunk. The GMEM inputs:
     q, k (B, Tp, H, K), read at key head h // `group` (Hv = group * H value heads share a key head); v (or dO)
@@ -513,7 +513,6 @@ def _pass_body(*refs, step, kinds, reverse, nt, num_heads, group, cfg):
     Mosaic GPU's layout inference finds no solution when one SMEM vector is loaded in both the row and the column
     layout (see docs/mosaic.md)."""
     inputs, init_ref, last_ref, out_refs, scratch = _split_refs(refs, kinds)
-    key_dim = inputs[0].shape[-1]
     tiles = _unpack_tiles(cfg, scratch, key_dim, two_pairs=True, reverse=reverse)
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
@@ -536,13 +535,13 @@ def _pass_body(*refs, step, kinds, reverse, nt, num_heads, group, cfg):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, group, cfg):
+def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, group, key_dim, cfg):
     """`_pass_body` with one CTA per value head: two consumer warpgroups, each with the state block of one half of
     V (BV = 64 of 128), and a producer warpgroup streaming the chunk inputs through TMA
     (`emit_pipeline_warp_specialized`). q, k, T and the vectors are loaded once for both halves. Each consumer has
     its own scratch (a leading axis of 2 on every tile) with one operand pair x (to fit 227 KiB of SMEM)."""
     inputs, init_ref, last_ref, out_refs, scratch = _split_refs(refs, kinds)
-    key_dim, value_dim = inputs[0].shape[-1], inputs[2].shape[-1]
+    value_dim = inputs[2].shape[-1]  # v's whole width, loaded once for both consumers
     wg = lax.axis_index("wg")
     tiles = _unpack_tiles(cfg, [ref.at[wg] for ref in scratch], key_dim, two_pairs=False, reverse=reverse)
     bh = lax.axis_index("head")
@@ -591,7 +590,8 @@ def _pass_kernel(cfg, step, kinds, out_type, dtype, *, reverse, nt, batch, num_h
     `Config.warpgroups=2`) over `batch` rows of `num_heads` value heads, `group` of them per key head, with head
     dims `key_dim` and `value_dim`. `out_type`: the state it ends with, then the per-chunk outputs (`kinds`);
     `dtype`: that of the forward's output tile."""
-    body = dict(step=step, kinds=kinds, reverse=reverse, nt=nt, num_heads=num_heads, group=group, cfg=cfg)
+    body = dict(step=step, kinds=kinds, reverse=reverse, nt=nt, num_heads=num_heads, group=group, key_dim=key_dim,
+                cfg=cfg)
     interpret = plgpu.InterpretGPUParams() if interpret else False
     batch_heads = batch * num_heads
     shared = cfg.warpgroups == 2

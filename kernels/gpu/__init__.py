@@ -15,11 +15,12 @@ chunk size 64, at most `MAX_BATCH_HEADS` batch x value-head pairs. For the delta
 reverse passes (from 32 value heads per call; the Triton ones below) and its chunk-parallel gradient kernel in
 Mosaic GPU; the gates and per-token vectors around them are two small Triton kernels (`mosaic_vectors.py`).
 `supports_mosaic`: the GPU backend on a compute capability 9.x device, the delta rule with no or a scalar decay,
-bfloat16 q/k/v, K = V = 128, Hv a multiple of H, chunk size 64. For KDA (`supports_mosaic_kda`: what
-`supports_kda` takes, bfloat16, K = V = 128, on Hopper) "mosaic" runs the KDA kernels with `kda.mosaic_config`,
-whose forward and reverse passes are the Mosaic GPU ones (`mosaic_kda.py`) from 64 value heads per call. "auto"
-prefers "mosaic" over "pallas" (`MOSAIC_PRIORITY`): measured as fast or faster forward and forward+backward at every
-size timed (docs/benchmarks.md).
+bfloat16 q/k/v, K and V of 64, 128 or 256 (the gradient kernel in Mosaic GPU at K = V = 128, Triton's at the
+others), Hv a multiple of H, chunk size 64. For KDA (`supports_mosaic_kda`: what `supports_kda` takes, bfloat16,
+K and V of 64 or 128, on Hopper) "mosaic" runs the KDA kernels with `kda.mosaic_config`, whose forward and reverse
+passes are the Mosaic GPU ones (`mosaic_kda.py`) from 64 value heads per call. "auto" prefers "mosaic" over
+"pallas" (`MOSAIC_PRIORITY`): measured as fast or faster forward and forward+backward at every size timed
+(docs/benchmarks.md).
 
 On a machine without a GPU the same kernels run in Pallas's interpreter through `wy_chunk.chunk_wy(...,
 interpret=True)` and `kda.kda_chunk(..., interpret=True)`; the dispatch never picks them there.
@@ -89,9 +90,9 @@ def supports_mosaic(call: dispatch.RuleCall) -> bool:
         return False
     if call.dtype != "bfloat16" or call.chunk_size != mosaic_wy.CHUNK or call.value_heads % call.key_heads:
         return False
-    # K = V = 128 only: `chunk_wy_mosaic` also takes 64 (`mosaic_wy.HEAD_DIMS`, tested in the interpreter and lowered
-    # for an abstract H100), which joins here once it has run and been timed on a GPU.
-    if call.key_dim != mosaic_wy.HEAD_DIM or call.value_dim != mosaic_wy.HEAD_DIM:
+    # K and V of 64, 128 or 256 each (`mosaic_wy.HEAD_DIMS`); other than K = V = 128 the gradient kernels are
+    # Triton's.
+    if call.key_dim not in mosaic_wy.HEAD_DIMS or call.value_dim not in mosaic_wy.HEAD_DIMS:
         return False
     if call.batch < 1 or call.seq_len < 1 or call.batch * call.value_heads > MAX_BATCH_HEADS:
         return False
@@ -100,10 +101,10 @@ def supports_mosaic(call: dispatch.RuleCall) -> bool:
 
 def supports_mosaic_kda(call: dispatch.RuleCall) -> bool:
     """KDA with its sequential passes in Mosaic GPU (`kda.mosaic_config`, `mosaic_kda.py`): what `supports_kda`
-    accepts, bfloat16, K = V = 128, on Hopper."""
+    accepts, bfloat16, K and V of 64 or 128, on Hopper."""
     if not supports_kda(call) or call.dtype != "bfloat16":
         return False
-    if call.key_dim != mosaic_kda.HEAD_DIM or call.value_dim != mosaic_kda.HEAD_DIM:
+    if call.key_dim not in mosaic_kda.HEAD_DIMS or call.value_dim not in mosaic_kda.HEAD_DIMS:
         return False
     return hopper_compute_capability()
 

@@ -1977,7 +1977,7 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
     batch_heads = q.shape[0] * v.shape[2]
     if batch_heads < MOSAIC_PASS_MIN_BATCH_HEADS:
         return cfg
-    shared_head = batch_heads >= MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS and cfg.mosaic_block_v == 64
+    shared_head = batch_heads >= MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS and 2 * cfg.mosaic_block_v == v.shape[3]
     return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic", mosaic_shared_head=shared_head)
 
 

@@ -22,7 +22,7 @@ S[:, BV j : BV (j+1)] of value head bh and walks the chunks in order, the inputs
 `plgpu.emit_pipeline` (TMA). SMEM at BV = 64: one pipeline stage of 5 C x K operand tiles, the T and P pairs, v and
 the vectors (120.8 KiB), S's pair, the operand pairs of diag(beta) y and u and the output tile (72 KiB): 193 KiB,
 so one stage (two would ask 314 KiB). `_body_shared_head`: one CTA per value head, a producer and two consumer
-warpgroups (its docstring). Supported: K = V = 128, C = 64, bf16 inputs (`check_supported`).
+warpgroups (its docstring). Supported: K and V of 64 or 128, C = 64, bf16 inputs (`check_supported`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from deltajax.kernels.gpu.common import split_bf16_in_xla
 
 F32, BF16 = mc.F32, mc.BF16
 CHUNK = 64
-HEAD_DIM = 128
+HEAD_DIMS = (64, 128)  # K and V, each
 BLOCK_VS = (32, 64)
 STAGES = 1  # chunks in flight in the TMA pipeline: two stages do not fit SMEM (module docstring)
 PRODUCER_REGISTERS = 40  # per thread of the shared-head kernel's producer warpgroup; the consumers get 232
@@ -49,8 +49,8 @@ OUTPUT_DOTS = ("split", "bf16")
 
 def check_supported(*, key_dim, value_dim, chunk_size, dtype, block_v, output_dots):
     """Raises ValueError naming what the Mosaic pass does not take."""
-    if key_dim != HEAD_DIM or value_dim != HEAD_DIM:
-        raise ValueError(f"the Mosaic KDA pass takes K = V = {HEAD_DIM}, got K={key_dim}, V={value_dim}")
+    if key_dim not in HEAD_DIMS or value_dim not in HEAD_DIMS:
+        raise ValueError(f"the Mosaic KDA pass takes K and V in {HEAD_DIMS}, got K={key_dim}, V={value_dim}")
     if chunk_size != CHUNK:
         raise ValueError(f"the Mosaic KDA pass takes chunk_size {CHUNK}, got {chunk_size}")
     if jnp.dtype(dtype) != BF16:
@@ -95,8 +95,8 @@ def _chunk_step(tiles, x, s, out_tiles, *, scale, split_output, block_v, ready=_
     shared-head kernel; no-ops under `emit_pipeline`, which does both per chunk). tiles: S's pair (s_lo None with
     plain bf16 output products), the operand pair x, then the pair of u and the output tile, or None for both: u
     then goes through x once T diag(beta) y has completed, and O through x's hi tile once u's products have."""
-    C, K, BV = CHUNK, HEAD_DIM, block_v
     s_hi, s_lo, x_hi, x_lo, u_hi, u_lo, o_smem = tiles
+    C, K, BV = CHUNK, s_hi.shape[0], block_v
     one_pair = u_hi is None
     if one_pair:
         u_hi, u_lo, o_smem = x_hi, x_lo, x_hi
@@ -162,9 +162,10 @@ def _chunk_step(tiles, x, s, out_tiles, *, scale, split_output, block_v, ready=_
     return s_next
 
 
-def _in_specs(names, block_v, swizzle, nt=None):
-    """The pipeline's BlockSpecs for `names`; with `nt` (the reverse pass) step n reads chunk nt - 1 - n."""
-    C, K = CHUNK, HEAD_DIM
+def _in_specs(names, key_dim, block_v, swizzle, nt=None):
+    """The pipeline's BlockSpecs for `names` (the operands' blocks C x key_dim, v's or dO's C x block_v); with `nt`
+    (the reverse pass) step n reads chunk nt - 1 - n."""
+    C, K = CHUNK, key_dim
     chunk = (lambda n: n) if nt is None else (lambda n: nt - 1 - n)
     tiled = lambda shape: mc.tiled_spec(shape, lambda n: (chunk(n), 0), swizzle)
     vector = lambda n: plgpu.BlockSpec(block_shape=(n,), index_map=lambda i: (chunk(i),))
@@ -191,9 +192,9 @@ def _split_refs(refs, n_operands, with_states):
     return gmem, h0_ref, outputs, refs[n_operands + 8 + n_out:]
 
 
-def _out_tiles(outputs, b, h, i, cols):
+def _out_tiles(outputs, b, h, i, cols, key_dim):
     """Chunk i's GMEM tiles of O and (differentiated) of the start state and u's halves."""
-    C, K = CHUNK, HEAD_DIM
+    C, K = CHUNK, key_dim
     _, o_ref, *saved_refs = outputs
     tiles = [o_ref.at[b, pl.ds(i * C, C), h, cols]]
     if saved_refs:
@@ -211,6 +212,7 @@ def _body(*refs, n_operands, with_states, nt, num_heads, scale, split_output, bl
     s_hi, s_lo, x_pair, u_pair, o_smem = scratch
     tiles = (s_hi, s_lo if split_output else None, x_pair.at[0], x_pair.at[1], u_pair.at[0], u_pair.at[1], o_smem)
     names = _input_names(split_output)
+    key_dim = h0_ref.shape[2]
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
@@ -219,12 +221,12 @@ def _body(*refs, n_operands, with_states, nt, num_heads, scale, split_output, bl
     def chunk(indices, *chunk_inputs):
         (i,) = indices
         *chunk_inputs, s = chunk_inputs
-        return _chunk_step(tiles, dict(zip(names, chunk_inputs)), s, _out_tiles(outputs, b, h, i, cols),
+        return _chunk_step(tiles, dict(zip(names, chunk_inputs)), s, _out_tiles(outputs, b, h, i, cols, key_dim),
                            scale=scale, split_output=split_output, block_v=block_v)
 
     # The state block goes between GMEM and registers directly (once per CTA).
     s0 = plgpu.load(h0_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
-    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(names, block_v, _swizzle(block_v)),
+    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(names, key_dim, block_v, _swizzle(block_v)),
                                    max_concurrent_steps=STAGES, init_carry=s0)
     refs_by_name = gmem(b, h, bh, cols)
     outputs[0].at[b, h, :, cols][...] = pipeline(*(refs_by_name[name] for name in names))
@@ -243,6 +245,7 @@ def _body_shared_head(*refs, n_operands, with_states, nt, num_heads, scale, spli
     s_hi, s_lo, x_pair = (ref.at[wg] for ref in scratch)
     tiles = (s_hi, s_lo if split_output else None, x_pair.at[0], x_pair.at[1], None, None, None)
     names = _input_names(split_output)
+    key_dim = h0_ref.shape[2]
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
     cols = pl.ds(wg * block_v, block_v)
@@ -256,8 +259,8 @@ def _body_shared_head(*refs, n_operands, with_states, nt, num_heads, scale, spli
         produced, consumed = dict(zip(names, produced)), dict(zip(names, consumed))
         ready = lambda *which: [plgpu.barrier_wait(produced[name]) for name in which]
         done = lambda *which: [plgpu.barrier_arrive(consumed[name]) for name in which]
-        return _chunk_step(tiles, x, s, _out_tiles(outputs, b, h, i, cols), scale=scale, split_output=split_output,
-                           block_v=block_v, ready=ready, done=done)
+        return _chunk_step(tiles, x, s, _out_tiles(outputs, b, h, i, cols, key_dim), scale=scale,
+                           split_output=split_output, block_v=block_v, ready=ready, done=done)
 
     def consumer(run_pipeline):
         s0 = plgpu.load(h0_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
@@ -265,19 +268,20 @@ def _body_shared_head(*refs, n_operands, with_states, nt, num_heads, scale, spli
         plgpu.wait_smem_to_gmem(0)
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        chunk, grid=(nt,), in_specs=_in_specs(names, HEAD_DIM, _swizzle(block_v)), max_concurrent_steps=STAGES,
+        chunk, grid=(nt,), in_specs=_in_specs(names, key_dim, 2 * block_v, _swizzle(block_v)),
+        max_concurrent_steps=STAGES,
         memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=2, compute_context=consumer,
         manual_produced_barriers=True, manual_consumed_barriers=True)
     refs_by_name = gmem(b, h, bh, slice(None))
     pipeline(*(refs_by_name[name] for name in names))
 
 
-def _scratch(block_v, shared_head, dtype):
+def _scratch(key_dim, block_v, shared_head, dtype):
     """`_body`: S's pair, the operand pairs of diag(beta) y and of u, the output tile; `_body_shared_head`: S's pair
     and one operand pair per consumer. (S's lo tile goes unused with plain bf16 output products.)"""
     swizzle = _swizzle(block_v)
     lead = (2,) if shared_head else ()
-    state = mc.tiled(lead + (HEAD_DIM, block_v), swizzle)
+    state = mc.tiled(lead + (key_dim, block_v), swizzle)
     pair = mc.tiled(lead + (2, CHUNK, block_v), swizzle)
     if shared_head:
         return (state, state, pair)
@@ -300,8 +304,8 @@ def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v):
 
     the products of the Triton pass with its operand roundings; the second term's operand is split after dividing
     by the scale, so that one accumulator holds the sum (as `mosaic_wy._reverse_step`)."""
-    C, K, BV = CHUNK, HEAD_DIM, block_v
     s_hi, x_hi, x_lo, dx_hi, dx_lo = tiles
+    C, K, BV = CHUNK, s_hi.shape[0], block_v
     dend_tile, dx_hi_tile, dx_lo_tile = out_tiles
     transposed = lambda ref: ref.transpose((1, 0))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's copies have read dS's and dx's tiles
@@ -350,7 +354,7 @@ def _reverse_body(*refs, nt, num_heads, scale, block_v):
     dh0_ref, dends_ref, dx_hi_ref, dx_lo_ref = refs[n_in + 8:n_in + 12]
     s_hi, x_pair, dx_pair = refs[n_in + 12:]
     tiles = (s_hi, x_pair.at[0], x_pair.at[1], dx_pair.at[0], dx_pair.at[1])
-    C, K = CHUNK, HEAD_DIM
+    C, K = CHUNK, dfinal_ref.shape[2]
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
@@ -369,7 +373,7 @@ def _reverse_body(*refs, nt, num_heads, scale, block_v):
                              block_v=block_v)
 
     ds0 = plgpu.load(dfinal_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
-    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(REVERSE_INPUTS, block_v, _swizzle(block_v),
+    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(REVERSE_INPUTS, K, block_v, _swizzle(block_v),
                                                                          nt=nt),
                                    max_concurrent_steps=STAGES, init_carry=ds0)
     dh0_ref.at[b, h, :, cols][...] = pipeline(*(gmem[name] for name in REVERSE_INPUTS))
@@ -422,8 +426,8 @@ def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", blo
     K = tiles[0].shape[-1]
     check_supported(key_dim=K, value_dim=V, chunk_size=CHUNK, dtype=v.dtype, block_v=block_v,
                     output_dots=output_dots)
-    if shared_head and block_v != HEAD_DIM // 2:
-        raise ValueError(f"shared_head gives each consumer half of V: block_v must be {HEAD_DIM // 2}, got {block_v}")
+    if shared_head and 2 * block_v != V:
+        raise ValueError(f"shared_head gives each consumer half of V: block_v must be {V // 2}, got {block_v}")
     split_output = output_dots == "split"
     if len(tiles) != 4 + split_output:
         raise ValueError(f"output_dots={output_dots!r} reads {4 + split_output} operand tiles, got {len(tiles)}")
@@ -436,7 +440,7 @@ def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", blo
         out_type += (jax.ShapeDtypeStruct((B, Tp, Hv, V), BF16),) * 2
     body = dict(n_operands=len(tiles), with_states=with_states, nt=nt, num_heads=Hv, scale=float(scale),
                 split_output=split_output, block_v=block_v)
-    common = dict(out_type=out_type, scratch_types=_scratch(block_v, shared_head, v.dtype),
+    common = dict(out_type=out_type, scratch_types=_scratch(K, block_v, shared_head, v.dtype),
                   interpret=plgpu.InterpretGPUParams() if interpret else False)
     if shared_head:
         kernel = plgpu.kernel(

@@ -29,14 +29,14 @@ Per chunk (C = 64, K = 128, BV = 64), with the wgmma shapes M x N x K:
     S  = carry_C exp(G_C) S_0 + k^T @ (tail exp(G_C - G) (.) u)
                                       2 x (128 x 64 x 64), k^T a transposed SMEM view         (6)
 
-Inputs are bf16 q/k/v with K = V = 128 (or 64, each: `HEAD_DIMS`, the forward pass only); Hv value heads, a
-multiple of the H key heads (the kernels read value head h's q and k at key head h // (Hv / H); T, beta and the
+Inputs are bf16 q/k/v with K = V = 128 (or 64 or 256, each: `HEAD_DIMS`, the forward pass only); Hv value heads,
+a multiple of the H key heads (the kernels read value head h's q and k at key head h // (Hv / H); T, beta and the
 gates are per value head); the per-token scalars carry exp(G), tail exp(G_C - G), the chunk survival factor and
 the document masks are computed in XLA as in `wy_chunk.chunk_wy`. Differentiated (a `custom_vjp`), the pass also
 writes what the backward reads (every chunk's start state, and u as its bf16 pair, by TMA from the operand tiles);
 the backward is the Mosaic reverse pass (writing every chunk's end-state cotangent and dx as its bf16 pair) and
 the Mosaic GPU gradient kernel (`mosaic_wy_grads`). With few heads per call the Triton passes run instead
-(`Config.mosaic_forward`, `Config.mosaic_reverse`); at other head dims than 128 the Triton backward.
+(`Config.mosaic_forward`, `Config.mosaic_reverse`); at other head dims than 128 the Triton gradient kernels.
 """
 
 from __future__ import annotations
@@ -57,12 +57,17 @@ from deltajax.kernels.gpu import wy_chunk
 from deltajax.kernels.gpu.common import split_bf16_in_xla
 
 F32, BF16 = mc.F32, mc.BF16
-# K and V of the forward pass, each. The reverse pass and the gradient kernel (`mosaic_wy_grads`), and one CTA per
-# head, take K = V = 128 only: other sizes run the Triton backward (`Config.grads="triton"`) around the Mosaic
-# forward pass. K = V = 64 and the mixed sizes run in the interpreter and lower for an abstract H100; the dispatch
-# sends them to the Triton kernels until they have run on a GPU (`kernels/gpu/__init__.py`, `supports_mosaic`).
+# K and V of the passes, each. The gradient kernel (`mosaic_wy_grads`) and one CTA per head take K = V = 128 only:
+# other sizes run the Triton gradient kernels (`Config.grads="triton"`) on what the Mosaic passes save. The dispatch
+# takes the sizes that have run and been timed on a GPU (`kernels/gpu/__init__.py`, `supports_mosaic`).
 HEAD_DIM = 128
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+# At K = 256 a pipeline stage's q and k tiles take 64 KiB: state blocks of at most 32 columns and two stages fit
+# the 227 KiB of SMEM (210.5 KiB at BV = 32; BV = 64 needs 254.5, docs/mosaic.md, next step 6). The state block
+# (K x BV fp32) then takes 64 registers per thread, as at K = 128, BV = 64.
+WIDE_KEY_DIM = 256
+WIDE_KEY_MAX_BLOCK_V = 32
+WIDE_KEY_MAX_STAGES = 2
 CHUNK = 64  # the only chunk size supported
 BLOCK_V = 64  # BV: V columns of the state per CTA by default (`Config.block_v`)
 BLOCK_VS = (16, 32, 64)
@@ -137,8 +142,8 @@ class Config:
     # The chunk-parallel gradients under differentiation: "mosaic" (`mosaic_wy_grads`, one CTA per chunk and head)
     # or "triton" (`wy_chunk`'s "merged" kernel). Both read the start states, u and dx saved by the passes.
     grads: str = "mosaic"
-    # The reverse state pass under differentiation in Mosaic GPU (`_reverse_step`; with the Mosaic gradient kernel
-    # only); False: the Triton one (`wy_chunk._reverse_pass`).
+    # The reverse state pass under differentiation in Mosaic GPU (`_reverse_step`; after the Mosaic forward pass or
+    # before the Mosaic gradient kernel); False: the Triton one (`wy_chunk._reverse_pass`).
     mosaic_reverse: bool = True
     # The gates' cumsums and the per-token vectors: one Triton kernel on each side of the call ("kernel") or XLA.
     vectors: str = "kernel"
@@ -170,10 +175,12 @@ def default_config(interpret=False, batch_heads=None, key_dim=HEAD_DIM, value_di
     `SHARED_HEAD_MIN_BATCH_HEADS` value heads in the call (B * Hv), one CTA per head with two consumer warpgroups;
     with few enough that V/32 CTAs per head fit one wave on `SM_COUNT` SMs, state blocks of 32 columns. Below
     `MOSAIC_FORWARD_MIN_BATCH_HEADS` heads, the Triton forward pass (faster there). Head dims other than
-    K = V = 128 (`HEAD_DIMS`): one warpgroup per CTA and the Triton backward (`check_config`); the thresholds are
-    those measured at 128 (not yet measured there)."""
+    K = V = 128 (`HEAD_DIMS`): one warpgroup per CTA and the Triton gradient kernels (`check_config`), at K = 256
+    state blocks of at most 32 columns; the thresholds are those measured at 128 (not yet measured there)."""
     full = key_dim == value_dim == HEAD_DIM
     other_dims = {} if full else dict(grads="triton")
+    if key_dim == WIDE_KEY_DIM:
+        other_dims["block_v"] = WIDE_KEY_MAX_BLOCK_V
     if interpret:
         return Config(p_operand="smem", **other_dims)
     if batch_heads is None:
@@ -183,20 +190,23 @@ def default_config(interpret=False, batch_heads=None, key_dim=HEAD_DIM, value_di
     if full and batch_heads >= SHARED_HEAD_MIN_BATCH_HEADS:
         return Config(warpgroups=2, **passes)
     if batch_heads * (value_dim // NARROW_BLOCK_V) <= SM_COUNT:
-        return Config(block_v=NARROW_BLOCK_V, **passes)
+        return Config(**{**passes, "block_v": NARROW_BLOCK_V})
     return Config(**passes)
 
 
 def check_config(cfg, key_dim, value_dim):
     """The knobs that depend on the head dims (`Config` checks the others): one CTA per head and the Mosaic
-    backward (reverse pass and gradient kernel) take K = V = `HEAD_DIM` only."""
+    gradient kernel take K = V = `HEAD_DIM` only, K = 256 narrow state blocks."""
     if (key_dim, value_dim) == (HEAD_DIM, HEAD_DIM):
         return
+    if key_dim == WIDE_KEY_DIM and (cfg.block_v > WIDE_KEY_MAX_BLOCK_V or cfg.stages > WIDE_KEY_MAX_STAGES):
+        raise ValueError(f"K={key_dim} fits SMEM with block_v <= {WIDE_KEY_MAX_BLOCK_V} and stages <= "
+                         f"{WIDE_KEY_MAX_STAGES}, got block_v={cfg.block_v}, stages={cfg.stages}")
     dims = f"K = V = {HEAD_DIM}, got K={key_dim}, V={value_dim}"
     if cfg.warpgroups != 1:
         raise ValueError(f"warpgroups=2 (one CTA per head) takes {dims}; use warpgroups=1")
     if cfg.grads != "triton":
-        raise ValueError(f"grads={cfg.grads!r} (the Mosaic reverse pass and gradient kernel) takes {dims}; use "
+        raise ValueError(f"grads={cfg.grads!r} (the Mosaic gradient kernel) takes {dims}; use "
                          "grads='triton'")
 
 
@@ -767,35 +777,40 @@ def _recomputes_u(cfg, tcfg):
 
 
 def _mosaic_reverse_applies(cfg, tcfg):
-    """Whether the reverse pass is the Mosaic one (`Config.mosaic_reverse`): it writes what the Mosaic gradient
-    kernel reads (bf16 end-state cotangents, dx as its pair)."""
-    return cfg.mosaic_reverse and _mosaic_grads_apply(cfg, tcfg)
+    """Whether the reverse pass is the Mosaic one (`Config.mosaic_reverse`): it writes what the gradient kernels
+    read from the passes (bf16 end-state cotangents, dx as its pair, which the Triton kernels read summed), after
+    the Mosaic forward pass (whose T pair and vectors it reads) or before the Mosaic gradient kernel."""
+    from_passes = wy_chunk._saves_u_dx(tcfg) and tcfg.state_storage == "bf16"
+    return cfg.mosaic_reverse and from_passes and (cfg.mosaic_forward or _mosaic_grads_apply(cfg, tcfg))
 
 
 def _wy_mosaic_bwd(static, residuals, cotangents):
     """The reverse pass (Mosaic's or Triton's, `_mosaic_reverse_applies`), then the chunk-parallel gradients in
-    Mosaic GPU (`_mosaic_grads_apply`), or the whole Triton backward."""
+    Mosaic GPU (`_mosaic_grads_apply`) or Triton's."""
     cfg, tcfg, scale, segmented, interpret = static
     q, k, v, beta, g, doc, carry, tail, t, _, starts, (u,), *made = residuals
-    if not _mosaic_grads_apply(cfg, tcfg):
-        # u's pair from the Mosaic pass summed: the Triton gradient kernel reads fp32 u.
-        u = [u[0].astype(F32) + u[1].astype(F32)] if isinstance(u, tuple) else [u]
-        return wy_chunk._wy_bwd(tcfg, tuple(residuals[:11]) + (u,), cotangents)
-    # The forward's vectors (the kernel's 6 rows with `Config.vectors="kernel"`, or the Mosaic pass's XLA 5), or
-    # made here in XLA (5 rows, and the gradient kernel's 6 in `grads`).
-    vectors, doc_f, survive = made[0] if made else _pass_vectors(g, beta, doc, carry, tail, k.shape[-1])
-    with_kernel = cfg.vectors == "kernel" and bool(made)
     do, dfinal = cotangents
     do = do.astype(v.dtype)
-    # T as its bf16 pair (2, B, Tp, H, C) for the Mosaic reverse pass and (u None, `_recomputes_u`) the gradient
-    # kernel, which then forms u from it: the Mosaic forward's pair, or fp32 T split here.
-    t_pair = t if t.ndim == 5 else jnp.stack(split_bf16_in_xla(t))
-    if _mosaic_reverse_applies(cfg, tcfg):
+    mosaic_reverse, mosaic_grads = _mosaic_reverse_applies(cfg, tcfg), _mosaic_grads_apply(cfg, tcfg)
+    if mosaic_reverse or mosaic_grads:
+        # The forward's vectors (the kernel's 6 rows with `Config.vectors="kernel"`, or the Mosaic pass's XLA 5),
+        # or made here in XLA (5 rows, and the gradient kernel's 6 in `grads`).
+        vectors, doc_f, survive = made[0] if made else _pass_vectors(g, beta, doc, carry, tail, k.shape[-1])
+        # T as its bf16 pair (2, B, Tp, H, C) for the Mosaic reverse pass and (u None, `_recomputes_u`) the
+        # gradient kernel, which then forms u from it: the Mosaic forward's pair, or fp32 T split here.
+        t_pair = t if t.ndim == 5 else jnp.stack(split_bf16_in_xla(t))
+    if mosaic_reverse:
         dh0, dends, dx = _reverse_pass(cfg, q, k, do, t_pair, vectors, doc_f, survive, dfinal.astype(F32),
                                        scale=scale, segmented=segmented, interpret=interpret)
-    else:
+    if not mosaic_grads:
+        # u's and dx's pairs from the Mosaic passes summed: the Triton gradient kernels read them in fp32.
+        as_fp32 = lambda x: x[0].astype(F32) + x[1].astype(F32) if isinstance(x, tuple) else x
+        reverse = (dh0, dends, as_fp32(dx)) if mosaic_reverse else None
+        return wy_chunk._wy_bwd(tcfg, tuple(residuals[:11]) + ([as_fp32(u)],), cotangents, reverse=reverse)
+    if not mosaic_reverse:
         dh0, dends, *dx = wy_chunk._reverse_pass(tcfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32),
                                                  dx_pair=True)
+    with_kernel = cfg.vectors == "kernel" and bool(made)
     dq, dk, dv, dbeta, dlog = mosaic_wy_grads.grads(
         q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, scale=scale, segmented=segmented,
         interpret=interpret, vectors=vectors if with_kernel else None, survive=survive if with_kernel else None,

@@ -1377,11 +1377,15 @@ def _wy_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0, *, u_pair=False
     return (o, final), (q, k, v, beta, g, doc, carry, tail, t, t_grads, starts, u)
 
 
-def _wy_bwd(cfg, residuals, cotangents):
+def _wy_bwd(cfg, residuals, cotangents, reverse=None):
+    """The reverse pass, then the chunk-parallel gradients. `reverse`: the reverse pass's outputs (dL/d(initial
+    state), the end-state cotangents, dx) where another kernel ran it (`mosaic_wy`'s)."""
     q, k, v, beta, g, doc, carry, tail, t, t_grads, starts, u = residuals
     do, dfinal = cotangents
     do = do.astype(v.dtype)
-    dh0, dends, *dx = _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32))
+    if reverse is None:
+        reverse = _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal.astype(F32))
+    dh0, dends, *dx = reverse
     dq, dk, dv, dbeta, dlog = _grads(cfg, q, k, v, beta, t_grads, g, doc, carry, tail, starts, dends, do,
                                      saved=(*u, *dx))
     B, Tp, H, K = q.shape

@@ -27,7 +27,7 @@ from testing_utils import relative_error
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
-D = mosaic_kda.HEAD_DIM
+D = 128
 
 
 def _config(x, **overrides):
@@ -94,6 +94,37 @@ def test_adversarial_in_interpreter(family, variant):
     of 256,000 elements at 5e-5 and 1.8e-4 relative)."""
     x = _bf16_case(_adversarial(family, B=1, T=100, H=1, Hv=1, K=D, V=D))
     _against_triton(x, f"mosaic-{variant}-{family}", per_element=False, **VARIANTS[variant])
+
+
+# K or V of 64 (`mosaic_kda.HEAD_DIMS`), with the layouts each takes: V blocks of 64 or 32 columns, and at V = 128
+# one CTA per head.
+OTHER_HEAD_DIMS = [(64, 64), (64, 128), (128, 64)]
+
+
+def _other_dims_variants(V):
+    return ["bv64", "bv32"] + (["shared_head"] if V == 2 * 64 else [])
+
+
+@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
+def test_other_head_dims_match_scan_and_the_triton_pass_in_interpreter(K, V):
+    """K or V of 64 in every layout: T = 130, packed documents, an initial state, beta up to 2, two value heads per
+    key head. Against the Triton pass the outputs are held to the relative bound of a flipped bf16 operand rounding
+    (as in `test_adversarial_in_interpreter`), not one ulp per element: the layouts run here in one test each."""
+    x = _bf16_case(_inputs(T=130, B=1, H=1, Hv=2, K=K, V=V))
+    for variant in _other_dims_variants(V):
+        _against_triton(x, f"mosaic-{K}x{V}-{variant}", per_element=False, **VARIANTS[variant])
+
+
+@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
+def test_other_head_dims_gradients_through_both_mosaic_passes_in_interpreter(K, V):
+    """K or V of 64, both passes in Mosaic GPU (the layout `mosaic_config` picks by head count: one warpgroup per V
+    block of 64): every gradient at the bf16 bounds against the scan, and equal to the gradients through the Triton
+    passes up to the 16-bit rounding flips."""
+    x = _bf16_case(_inputs(T=130, B=1, H=1, Hv=2, K=K, V=V))
+    mosaic = _config(x, pass_backend="mosaic", reverse_backend="mosaic", mosaic_block_v=64)
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"mosaic-reverse-{K}x{V}")
+    triton = dataclasses.replace(mosaic, pass_backend="triton", reverse_backend="triton")
+    _assert_equal_up_to_16_bit_rounding(_grads(_fn(mosaic), x), _grads(_fn(triton), x), per_element=False)
 
 
 def _pass_outputs(cfg, x):
@@ -239,9 +270,9 @@ def test_unsupported_configs_raise(overrides, match):
 
 
 def test_unsupported_inputs_raise():
-    """K or V other than 128 and 16-bit inputs other than bf16 are named in the error."""
-    x = _bf16_case(_inputs(T=70, B=1, H=1, Hv=1, K=64, V=D))
-    with pytest.raises(ValueError, match="K = V = 128"):
+    """K or V other than 64 and 128 and 16-bit inputs other than bf16 are named in the error."""
+    x = _bf16_case(_inputs(T=70, B=1, H=1, Hv=1, K=32, V=D))
+    with pytest.raises(ValueError, match=r"K and V in \(64, 128\), got K=32, V=128"):
         _call(_fn(_config(x, pass_backend="mosaic")), x)
     y = _inputs(T=70, B=1, H=1, Hv=1, K=D, V=D)
     y = dict(y, **{n: y[n].astype(jnp.float16) for n in ("q", "k", "v")}, scale=1.0)
@@ -261,12 +292,14 @@ KDA_CALL = dispatch.RuleCall(op="delta_rule", batch=32, seq_len=100, key_heads=2
 
 
 def test_dispatch_takes_kda_to_mosaic_on_hopper(monkeypatch):
-    """"mosaic" takes KDA calls that `supports_kda` takes in bf16 with K = V = 128, on Hopper only, and "auto"
-    prefers it there (with few heads its config is the Triton one)."""
+    """"mosaic" takes KDA calls that `supports_kda` takes in bf16 with K and V of 64 or 128, on Hopper only, and
+    "auto" prefers it there (with few heads its config is the Triton one)."""
     monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: True)
     assert pallas_gpu.supports_mosaic_kda(KDA_CALL) and pallas_gpu.supports_mosaic_delta_rule(KDA_CALL)
-    for change in (dict(platform="cpu"), dict(dtype="float32"), dict(dtype="float16"), dict(key_dim=64),
-                   dict(value_dim=64), dict(value_heads=3), dict(chunk_size=32), dict(decay="scalar")):
+    for K, V in OTHER_HEAD_DIMS:
+        assert pallas_gpu.supports_mosaic_kda(KDA_CALL._replace(key_dim=K, value_dim=V)), (K, V)
+    for change in (dict(platform="cpu"), dict(dtype="float32"), dict(dtype="float16"), dict(key_dim=32),
+                   dict(value_dim=256), dict(value_heads=3), dict(chunk_size=32), dict(decay="scalar")):
         assert not pallas_gpu.supports_mosaic_kda(KDA_CALL._replace(**change)), change
     assert dispatch.select("delta_rule", "auto", KDA_CALL).name == "mosaic"
     monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: False)
@@ -279,7 +312,7 @@ def test_dispatch_takes_kda_to_mosaic_on_hopper(monkeypatch):
     (4, 16, jnp.bfloat16, D, "mosaic", False),  # 64 heads: the threshold
     (2, 16, jnp.bfloat16, D, "triton", False),
     (8, 16, jnp.float32, D, "triton", False),
-    (8, 16, jnp.bfloat16, 64, "triton", False),
+    (8, 16, jnp.bfloat16, 64, "mosaic", False),  # K = V = 64: V blocks of 64, no shared head
 ])
 def test_mosaic_config_takes_the_mosaic_pass_from_the_threshold(batch, value_heads, dtype, K, expected, shared_head):
     q = jnp.zeros((batch, 64, value_heads, K), dtype)
@@ -300,12 +333,12 @@ def test_registered_function_matches_scan_in_interpreter(monkeypatch):
            fn=lambda *a, **kw: pallas_gpu.mosaic_delta_rule(*a, **kw, chunk_size=64), label="mosaic-dispatch")
 
 
-def _abstract_call(B=1, T=130, H=2, Hv=4):
-    """(q, k, v, beta, log_decay, initial_state, segment_ids) as abstract values: a bf16 call with K = V = D,
-    documents and an initial state, for the lowering tests."""
-    q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
-    return (q, q, jax.ShapeDtypeStruct((B, T, Hv, D), jnp.bfloat16), jax.ShapeDtypeStruct((B, T, Hv), jnp.float32),
-            jax.ShapeDtypeStruct((B, T, Hv, D), jnp.float32), jax.ShapeDtypeStruct((B, Hv, D, D), jnp.float32),
+def _abstract_call(B=1, T=130, H=2, Hv=4, K=D, V=D):
+    """(q, k, v, beta, log_decay, initial_state, segment_ids) as abstract values: a bf16 call with documents and an
+    initial state, for the lowering tests."""
+    q = jax.ShapeDtypeStruct((B, T, H, K), jnp.bfloat16)
+    return (q, q, jax.ShapeDtypeStruct((B, T, Hv, V), jnp.bfloat16), jax.ShapeDtypeStruct((B, T, Hv), jnp.float32),
+            jax.ShapeDtypeStruct((B, T, Hv, K), jnp.float32), jax.ShapeDtypeStruct((B, Hv, K, V), jnp.float32),
             jax.ShapeDtypeStruct((B, T), jnp.int32))
 
 
@@ -355,6 +388,17 @@ def test_lowers_for_cuda(variant):
     assert both.count("custom_call @mosaic_gpu_v2") == 2  # and the reverse pass
 
 
+@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
+def test_other_head_dims_lower_for_cuda(K, V):
+    """K or V of 64: the call and its gradient with both Mosaic passes, in each layout, lowered for an abstract
+    H100 (two Mosaic GPU calls in the gradient)."""
+    args = _abstract_call(K=K, V=V)
+    for variant in _other_dims_variants(V):
+        cfg = _abstract_config(args, pass_backend="mosaic", reverse_backend="mosaic", **VARIANTS[variant])
+        assert _lowered_for_cuda(_call_with(lambda: cfg), args).count("custom_call @mosaic_gpu_v2") == 1
+        assert _lowered_for_cuda(_gradient_of(_call_with(lambda: cfg)), args).count("custom_call @mosaic_gpu_v2") == 2
+
+
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 
 # T, packed, initial state, (H, Hv), variant
@@ -377,6 +421,17 @@ def test_gpu_matches_scan(T, packed, init, heads, variant):
     x = _bf16_case(_inputs(T=T, H=heads[0], Hv=heads[1], K=D, V=D, packed=packed, init=init))
     cfg = _config(x, pass_backend="mosaic", **VARIANTS[variant])
     _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(cfg), label=f"gpu-mosaic-T{T}-{variant}")
+
+
+@gpu_only
+@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
+def test_gpu_other_head_dims_match_scan(K, V):
+    """Compiled, K or V of 64, both passes in Mosaic GPU in each layout: outputs, final state and every gradient
+    against the fp32 scan at the bf16 bounds (packed documents, an initial state, T not a multiple of 64)."""
+    x = _bf16_case(_inputs(B=2, T=500, H=2, Hv=4, K=K, V=V))
+    for variant in _other_dims_variants(V):
+        cfg = _config(x, pass_backend="mosaic", reverse_backend="mosaic", **VARIANTS[variant])
+        _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(cfg), label=f"gpu-mosaic-{K}x{V}-{variant}")
 
 
 @gpu_only

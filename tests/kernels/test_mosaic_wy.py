@@ -217,14 +217,16 @@ def _check_grads(x, config):
 
 
 @pytest.mark.parametrize("packed,config", [(False, "default"), (True, "default"), (True, "shared_head"),
-                                           (True, "triton_forward"), (True, "triton_reverse")])
+                                           (True, "triton_forward"), (True, "triton_reverse"), (True, "triton_grads")])
 def test_gradients_match_scan_in_interpreter(packed, config):
     """Differentiated, the Mosaic pass also writes the start states and u, then the Mosaic reverse pass and the
-    Mosaic gradient kernel run (interpreted here; "triton_forward" / "triton_reverse": the Triton pass instead):
-    every gradient against the fp32 scan's, T not a multiple of the chunk, beta up to 2, initial state."""
+    Mosaic gradient kernel run (interpreted here; "triton_forward" / "triton_reverse": the Triton pass instead;
+    "triton_grads": the Triton gradient kernel on the Mosaic passes' u and dx): every gradient against the fp32
+    scan's, T not a multiple of the chunk, beta up to 2, initial state."""
     x = _bf16_inputs(fresh_key(), B=1, T=100, H=2, beta_max=2.0, packed=packed, with_initial_state=True)
     cfg = {"triton_forward": dataclasses.replace(_INTERPRETED, mosaic_forward=False),
-           "triton_reverse": dataclasses.replace(_INTERPRETED, mosaic_reverse=False)}.get(config)
+           "triton_reverse": dataclasses.replace(_INTERPRETED, mosaic_reverse=False),
+           "triton_grads": dataclasses.replace(_INTERPRETED, grads="triton")}.get(config)
     _check_grads(x, cfg or INTERPRETED_CONFIGS[config])
 
 
@@ -248,23 +250,24 @@ def test_grouped_value_heads_gradients_match_scan_in_interpreter(config):
 
 
 # Head dims other than K = V = 128 (`mosaic_wy.HEAD_DIMS`): the Mosaic forward pass, the Triton backward.
-OTHER_HEAD_DIMS = [(64, 64), (64, 128), (128, 64)]
+OTHER_HEAD_DIMS = [(64, 64), (64, 128), (128, 64), (256, 128), (128, 256)]
 
 
 @pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
 def test_other_head_dims_match_scan_in_interpreter(K, V):
-    """K or V of 64: packed documents, an initial state, beta up to 2, T not a multiple of the chunk, two value heads
-    per key head (the default config for the dims: one warpgroup per CTA)."""
+    """K or V of 64 or 256: packed documents, an initial state, beta up to 2, T not a multiple of the chunk, two
+    value heads per key head (the default config for the dims: one warpgroup per CTA, 32 state columns at K = 256)."""
     x = rule_inputs(fresh_key(), B=1, T=130, H=1, Hv=2, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
                     with_initial_state=True)
     config = mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V)
     assert (config.warpgroups, config.grads) == (1, "triton")
+    assert config.block_v == (32 if K == 256 else 64)
     _check(x, config=config)
     if (K, V) == (64, 64):  # state blocks of 32 columns, two per head
         _check(x, config=dataclasses.replace(config, block_v=32))
 
 
-@pytest.mark.parametrize("K,V", [(64, 64), (128, 64)])
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 64), (256, 128)])
 def test_other_head_dims_gradients_match_scan_in_interpreter(K, V):
     """Differentiated at K or V of 64: the Mosaic pass writes the start states and u for the Triton reverse pass
     and gradient kernel (`_saves_triton_residuals`; the lowering test checks that no Triton forward pass runs);
@@ -280,6 +283,16 @@ def test_other_head_dims_refuse_the_mosaic_backward_and_shared_heads():
     for change, message in ((dict(grads="mosaic"), "grads='mosaic' .* takes K = V = 128, got K=64, V=64"),
                             (dict(warpgroups=2, block_v=64), "warpgroups=2 .* takes K = V = 128")):
         with pytest.raises(ValueError, match=message):
+            chunk_wy_mosaic(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], scale=0.3, initial_state=None,
+                            segment_ids=None, interpret=True, config=dataclasses.replace(base, **change))
+
+
+def test_wide_keys_refuse_what_overflows_shared_memory():
+    """K = 256: state blocks of 64 columns, or three stages, take more than the H100's 227 KiB of SMEM."""
+    x = rule_inputs(fresh_key(), B=1, T=64, H=1, K=256, V=64, dtype=jnp.bfloat16)
+    base = mosaic_wy.default_config(interpret=True, key_dim=256, value_dim=64)
+    for change in (dict(block_v=64), dict(stages=3)):
+        with pytest.raises(ValueError, match="K=256 fits SMEM with block_v <= 32 and stages <= 2"):
             chunk_wy_mosaic(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], scale=0.3, initial_state=None,
                             segment_ids=None, interpret=True, config=dataclasses.replace(base, **change))
 
@@ -337,8 +350,8 @@ def test_saved_states_match_the_triton_pass_in_interpreter():
 
 
 @pytest.mark.parametrize("change,argument", [
-    (dict(K=32, V=32), r"K must be one of \(64, 128\)"),
-    (dict(V=256), r"V must be one of \(64, 128\)"),
+    (dict(K=32, V=32), r"K must be one of \(64, 128, 256\), got 32"),
+    (dict(V=512), r"V must be one of \(64, 128, 256\), got 512"),
     (dict(dtype=jnp.float32), "q must be bfloat16"),
     (dict(H=2, Hv=3), "Hv must be a multiple of the key heads H"),
     (dict(decay="vector"), "log_decay"),
@@ -383,6 +396,7 @@ def test_default_config_shares_heads_from_the_threshold():
         for heads in (None, 16, threshold):
             cfg = mosaic_wy.default_config(batch_heads=heads, key_dim=K, value_dim=V)
             assert (cfg.warpgroups, cfg.grads) == (1, "triton"), (K, V, heads, cfg)
+            assert K != 256 or cfg.block_v == 32, (K, V, heads, cfg)
     assert mosaic_wy.default_config(batch_heads=threshold).grads == "mosaic"
 
 
@@ -415,8 +429,10 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL)
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(decay="none", has_initial_state=False))
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(value_heads=8))  # two value heads per key head
+    for K, V in OTHER_HEAD_DIMS:  # the Mosaic forward pass, the Triton backward
+        assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(key_dim=K, value_dim=V)), (K, V)
     for change in (dict(platform="cpu"), dict(platform="tpu"), dict(op="linear_attention"), dict(decay="channel"),
-                   dict(dtype="float32"), dict(dtype="float16"), dict(key_dim=64), dict(value_dim=256),
+                   dict(dtype="float32"), dict(dtype="float16"), dict(key_dim=32), dict(value_dim=512),
                    dict(value_heads=6), dict(chunk_size=32)):
         assert not pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(**change)), change
     implementation = dispatch.implementations("delta_rule")["mosaic"]
@@ -507,8 +523,7 @@ def test_grouped_value_heads_lower_for_cuda(config):
 def test_gradient_lowers_for_cuda(config):
     """jax.grad of the call lowered for an abstract H100: the Mosaic pass (with its saved outputs) runs once, in the
     forward, unless `mosaic_forward` is off (then the Triton forward pass runs instead); the Mosaic reverse pass
-    (unless `mosaic_reverse` is off or the gradients are Triton's) and the Mosaic gradient kernel (unless
-    `grads="triton"`) once each."""
+    (unless `mosaic_reverse` is off) and the Mosaic gradient kernel (unless `grads="triton"`) once each."""
     B, T, H = 1, 130, 2
     cfg = {"triton_forward": dataclasses.replace(_COMPILED, mosaic_forward=False),
            "triton_reverse": dataclasses.replace(_COMPILED, mosaic_reverse=False),
@@ -527,7 +542,7 @@ def test_gradient_lowers_for_cuda(config):
     with jax.sharding.use_abstract_mesh(H100):
         text = fn.trace(q, q, q, gate, gate, h0).lower(lowering_platforms=("cuda",)).as_text()
     mosaic_grads = config != "triton_grads"
-    mosaic_reverse = mosaic_grads and config != "triton_reverse"
+    mosaic_reverse = config != "triton_reverse"
     assert text.count("custom_call @mosaic_gpu_v2") == (config != "triton_forward") + mosaic_reverse + mosaic_grads
     triton_kernels = set(re.findall(r'name = "(wy_[a-z_]+)"', text))
     assert "wy_inverse" in triton_kernels and ("wy_reverse" in triton_kernels) != mosaic_reverse, triton_kernels
@@ -539,26 +554,30 @@ def test_gradient_lowers_for_cuda(config):
 @pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
 @pytest.mark.parametrize("heads", [4, 64])
 def test_other_head_dims_lower_for_cuda(K, V, heads):
-    """K or V of 64, the call and its gradient lowered for an abstract H100 at 4 value heads (state blocks of 32
-    columns) and 64: the Mosaic forward pass once, saving the residuals under differentiation, and the Triton
-    reverse pass and "merged" gradient kernel (no Triton forward pass)."""
+    """K or V of 64 or 256, the call and its gradient lowered for an abstract H100 at 4 value heads (state blocks of
+    32 columns) and 64: the Mosaic forward pass once, saving the residuals under differentiation, the Mosaic
+    reverse pass and the Triton gradient kernels (no Triton forward or reverse pass)."""
     cfg = mosaic_wy.default_config(batch_heads=max(heads, mosaic_wy.MOSAIC_FORWARD_MIN_BATCH_HEADS), key_dim=K,
                                    value_dim=V)
     forward, gradient = _lowered_call_and_gradient(cfg, H=heads, Hv=heads, K=K, V=V)
-    assert forward.count("custom_call @mosaic_gpu_v2") == gradient.count("custom_call @mosaic_gpu_v2") == 1
+    assert forward.count("custom_call @mosaic_gpu_v2") == 1
+    assert gradient.count("custom_call @mosaic_gpu_v2") == 2
     triton_kernels = set(re.findall(r'name = "(wy_[a-z_]+)"', gradient))
-    assert {"wy_inverse", "wy_reverse", "wy_grads_merged"} <= triton_kernels, triton_kernels
-    assert not triton_kernels & {"wy_forward", "wy_states"}, triton_kernels
+    # The Triton gradient kernels: "merged" up to K = 128, "staged" (a K-block and a V-block kernel) above.
+    gradient_kernels = {"wy_grads_k", "wy_grads_v"} if K == 256 else {"wy_grads_merged"}
+    assert {"wy_inverse", *gradient_kernels} <= triton_kernels, triton_kernels
+    assert not triton_kernels & {"wy_forward", "wy_states", "wy_reverse"}, triton_kernels
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
 def test_gpu_other_head_dims_match_scan(K, V):
-    """Compiled, K or V of 64 at 64 value heads (the Mosaic forward pass; state blocks of 32 columns where V = 64):
-    the output, the final state and every gradient against the fp32 scan's."""
-    x = rule_inputs(fresh_key(), B=16, T=1000, H=4, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
+    """Compiled, K or V of 64 or 256 at 32 value heads (the Mosaic forward pass; state blocks of 32 columns where
+    V = 64 or K = 256): the output, the final state and every gradient against the fp32 scan's. (The scan's
+    gradient keeps every token's state: 2.5 GB at K x V = 128 x 256, T = 600.)"""
+    x = rule_inputs(fresh_key(), B=8, T=600, H=4, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
                     with_initial_state=True)
-    cfg = mosaic_wy.default_config(batch_heads=64, key_dim=K, value_dim=V)
+    cfg = mosaic_wy.default_config(batch_heads=32, key_dim=K, value_dim=V)
     assert cfg.mosaic_forward
     _check(x, config=cfg)
     _check_grads(x, cfg)
@@ -602,16 +621,17 @@ def test_gpu_public_api_with_impl_mosaic():
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("config", ["block_v32", "shared_head", "block_v64", "triton_forward", "triton_reverse",
-                                    "recompute_u"])
+                                    "triton_grads", "recompute_u"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_gpu_gradients_match_scan(packed, config):
     """Compiled: the gradients (the Mosaic pass saving the start states and u, or for "recompute_u" the start states
-    only, the Mosaic reverse pass and gradient kernel; or the Triton forward or reverse pass in their place)
-    against the fp32 scan's."""
+    only, the Mosaic reverse pass and gradient kernel; or the Triton forward or reverse pass or gradient kernel in
+    their place) against the fp32 scan's."""
     x = _bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=packed, with_initial_state=True)
     cfg = {"block_v32": GPU_CONFIGS["block_v32"], "shared_head": GPU_CONFIGS["shared_head"], "block_v64": _COMPILED,
            "triton_forward": dataclasses.replace(_COMPILED, mosaic_forward=False),
            "triton_reverse": dataclasses.replace(_COMPILED, mosaic_reverse=False),
+           "triton_grads": dataclasses.replace(_COMPILED, grads="triton"),
            "recompute_u": dataclasses.replace(GPU_CONFIGS["shared_head"], recompute_u=True)}[config]
     _check_grads(x, cfg)
 

@@ -269,9 +269,8 @@ def _body_shared_head(*refs, n_operands, with_states, nt, num_heads, scale, spli
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
         chunk, grid=(nt,), in_specs=_in_specs(names, key_dim, 2 * block_v, _swizzle(block_v)),
-        max_concurrent_steps=STAGES,
-        memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=2, compute_context=consumer,
-        manual_produced_barriers=True, manual_consumed_barriers=True)
+        max_concurrent_steps=STAGES, memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=2,
+        compute_context=consumer, manual_produced_barriers=True, manual_consumed_barriers=True)
     refs_by_name = gmem(b, h, bh, slice(None))
     pipeline(*(refs_by_name[name] for name in names))
 

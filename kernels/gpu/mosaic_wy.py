@@ -190,7 +190,7 @@ def default_config(interpret=False, batch_heads=None, key_dim=HEAD_DIM, value_di
     if full and batch_heads >= SHARED_HEAD_MIN_BATCH_HEADS:
         return Config(warpgroups=2, **passes)
     if batch_heads * (value_dim // NARROW_BLOCK_V) <= SM_COUNT:
-        return Config(**{**passes, "block_v": NARROW_BLOCK_V})
+        return Config(**dict(passes, block_v=NARROW_BLOCK_V))
     return Config(**passes)
 
 
@@ -206,8 +206,7 @@ def check_config(cfg, key_dim, value_dim):
     if cfg.warpgroups != 1:
         raise ValueError(f"warpgroups=2 (one CTA per head) takes {dims}; use warpgroups=1")
     if cfg.grads != "triton":
-        raise ValueError(f"grads={cfg.grads!r} (the Mosaic gradient kernel) takes {dims}; use "
-                         "grads='triton'")
+        raise ValueError(f"grads={cfg.grads!r} (the Mosaic gradient kernel) takes {dims}; use grads='triton'")
 
 
 def _swizzle(cfg):
@@ -728,12 +727,16 @@ def _wy_mosaic(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
     return _forward_pass(cfg, q, k, v, *inputs, h0, scale=scale, segmented=segmented, interpret=interpret)
 
 
+def _grads_read_the_passes(tcfg):
+    """Whether the gradient kernels read u and dx saved by the passes and every chunk's bf16 start state and
+    end-state cotangent (what the Mosaic passes write and the Mosaic gradient kernel reads)."""
+    return wy_chunk._saves_u_dx(tcfg) and tcfg.state_storage == "bf16"
+
+
 def _saves_triton_residuals(cfg, tcfg):
     """Whether the Mosaic pass runs and writes the backward's residuals (`Config.mosaic_forward`): where the
-    backward reads bf16 start states and u from the passes (no T in the gradient kernels) and T's bf16 pair
-    exists."""
-    return (cfg.mosaic_forward and wy_chunk._saves_u_dx(tcfg) and tcfg.state_storage == "bf16"
-            and tcfg.inverse_dots == "split")
+    backward reads them from the passes (no T in the gradient kernels) and T's bf16 pair exists."""
+    return cfg.mosaic_forward and _grads_read_the_passes(tcfg) and tcfg.inverse_dots == "split"
 
 
 def _wy_mosaic_fwd(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
@@ -767,7 +770,7 @@ def _wy_mosaic_fwd(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
 def _mosaic_grads_apply(cfg, tcfg):
     """Whether the gradient kernel is the Mosaic one (`Config.grads`): it reads what the Triton "merged" kernel
     reads, every chunk's bf16 start state and end-state cotangent, and u and dx saved by the passes."""
-    return cfg.grads == "mosaic" and wy_chunk._saves_u_dx(tcfg) and tcfg.state_storage == "bf16"
+    return cfg.grads == "mosaic" and _grads_read_the_passes(tcfg)
 
 
 def _recomputes_u(cfg, tcfg):
@@ -780,8 +783,8 @@ def _mosaic_reverse_applies(cfg, tcfg):
     """Whether the reverse pass is the Mosaic one (`Config.mosaic_reverse`): it writes what the gradient kernels
     read from the passes (bf16 end-state cotangents, dx as its pair, which the Triton kernels read summed), after
     the Mosaic forward pass (whose T pair and vectors it reads) or before the Mosaic gradient kernel."""
-    from_passes = wy_chunk._saves_u_dx(tcfg) and tcfg.state_storage == "bf16"
-    return cfg.mosaic_reverse and from_passes and (cfg.mosaic_forward or _mosaic_grads_apply(cfg, tcfg))
+    return (cfg.mosaic_reverse and _grads_read_the_passes(tcfg)
+            and (cfg.mosaic_forward or _mosaic_grads_apply(cfg, tcfg)))
 
 
 def _wy_mosaic_bwd(static, residuals, cotangents):

@@ -249,7 +249,7 @@ def test_grouped_value_heads_gradients_match_scan_in_interpreter(config):
     _check_grads(x, cfg)
 
 
-# Head dims other than K = V = 128 (`mosaic_wy.HEAD_DIMS`): the Mosaic forward pass, the Triton backward.
+# Head dims other than K = V = 128 (`mosaic_wy.HEAD_DIMS`): the Mosaic passes, the Triton gradient kernels.
 OTHER_HEAD_DIMS = [(64, 64), (64, 128), (128, 64), (256, 128), (128, 256)]
 
 
@@ -269,9 +269,9 @@ def test_other_head_dims_match_scan_in_interpreter(K, V):
 
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 64), (256, 128)])
 def test_other_head_dims_gradients_match_scan_in_interpreter(K, V):
-    """Differentiated at K or V of 64: the Mosaic pass writes the start states and u for the Triton reverse pass
-    and gradient kernel (`_saves_triton_residuals`; the lowering test checks that no Triton forward pass runs);
-    every gradient against the fp32 scan's."""
+    """Differentiated at K or V of 64 or 256: the Mosaic pass writes the start states and u, the Mosaic reverse
+    pass the end-state cotangents and dx, for the Triton gradient kernels (`_saves_triton_residuals`; the lowering
+    test checks that no Triton forward or reverse pass runs); every gradient against the fp32 scan's."""
     x = rule_inputs(fresh_key(), B=1, T=100, H=2, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
                     with_initial_state=True)
     _check_grads(x, mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V))
@@ -429,7 +429,7 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL)
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(decay="none", has_initial_state=False))
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(value_heads=8))  # two value heads per key head
-    for K, V in OTHER_HEAD_DIMS:  # the Mosaic forward pass, the Triton backward
+    for K, V in OTHER_HEAD_DIMS:  # the Mosaic passes, the Triton gradient kernels
         assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(key_dim=K, value_dim=V)), (K, V)
     for change in (dict(platform="cpu"), dict(platform="tpu"), dict(op="linear_attention"), dict(decay="channel"),
                    dict(dtype="float32"), dict(dtype="float16"), dict(key_dim=32), dict(value_dim=512),

@@ -62,9 +62,15 @@ VARIANTS = {
     "block_v16_stages4": dict(warpgroups=1, block_v=16, stages=4),
     # The Mosaic passes below `MOSAIC_FORWARD_MIN_BATCH_HEADS` heads too (the default runs Triton's there).
     "mosaic_block_v32": dict(warpgroups=1, block_v=32, mosaic_forward=True, mosaic_reverse=True),
+    "mosaic_block_v16": dict(warpgroups=1, block_v=16, mosaic_forward=True, mosaic_reverse=True),
     "triton_forward": dict(mosaic_forward=False),  # the Triton forward pass instead
+    "triton_passes": dict(mosaic_forward=False, mosaic_reverse=False),  # the Triton forward and reverse passes
+    "mosaic_passes": dict(mosaic_forward=True, mosaic_reverse=True),  # the Mosaic passes whatever the heads
     "xla_vectors": dict(vectors="xla"),  # the gates' cumsums and per-token vectors in XLA (until 2026-11-27)
     "recompute_u": dict(recompute_u=True),  # the gradient kernel forms u from T; the forward pass saves no u
+    "mosaic_grads": dict(grads="mosaic"),  # the Mosaic gradient kernel (K and V of 64 or 128)
+    "mosaic_grads_1wg": dict(grads="mosaic", grads_warpgroups=1),  # its roles in turn, two CTAs per SM at 64
+    "triton_grads": dict(grads="triton"),  # the Triton gradient kernel on the Mosaic passes' residuals
     # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).
     "previous": dict(state_dots="split", p_operand="smem", inverse_pair="xla", p_during_u=False, warpgroups=1,
                      query_state_late=False),

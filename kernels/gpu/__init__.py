@@ -90,8 +90,7 @@ def supports_mosaic(call: dispatch.RuleCall) -> bool:
         return False
     if call.dtype != "bfloat16" or call.chunk_size != mosaic_wy.CHUNK or call.value_heads % call.key_heads:
         return False
-    # K and V of 64, 128 or 256 each (`mosaic_wy.HEAD_DIMS`); other than K = V = 128 the gradient kernels are
-    # Triton's.
+    # K and V of 64, 128 or 256 each (`mosaic_wy.HEAD_DIMS`); at K or V of 256 the gradient kernels are Triton's.
     if call.key_dim not in mosaic_wy.HEAD_DIMS or call.value_dim not in mosaic_wy.HEAD_DIMS:
         return False
     if call.batch < 1 or call.seq_len < 1 or call.batch * call.value_heads > MAX_BATCH_HEADS:

@@ -29,14 +29,14 @@ Per chunk (C = 64, K = 128, BV = 64), with the wgmma shapes M x N x K:
     S  = carry_C exp(G_C) S_0 + k^T @ (tail exp(G_C - G) (.) u)
                                       2 x (128 x 64 x 64), k^T a transposed SMEM view         (6)
 
-Inputs are bf16 q/k/v with K = V = 128 (or 64 or 256, each: `HEAD_DIMS`, the forward pass only); Hv value heads,
+Inputs are bf16 q/k/v with K and V each of 64, 128 or 256 (`HEAD_DIMS`); Hv value heads,
 a multiple of the H key heads (the kernels read value head h's q and k at key head h // (Hv / H); T, beta and the
 gates are per value head); the per-token scalars carry exp(G), tail exp(G_C - G), the chunk survival factor and
 the document masks are computed in XLA as in `wy_chunk.chunk_wy`. Differentiated (a `custom_vjp`), the pass also
 writes what the backward reads (every chunk's start state, and u as its bf16 pair, by TMA from the operand tiles);
 the backward is the Mosaic reverse pass (writing every chunk's end-state cotangent and dx as its bf16 pair) and
 the Mosaic GPU gradient kernel (`mosaic_wy_grads`). With few heads per call the Triton passes run instead
-(`Config.mosaic_forward`, `Config.mosaic_reverse`); at other head dims than 128 the Triton gradient kernels.
+(`Config.mosaic_forward`, `Config.mosaic_reverse`); at K or V of 256 the Triton gradient kernels.
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ from deltajax.kernels.gpu import wy_chunk
 from deltajax.kernels.gpu.common import split_bf16_in_xla
 
 F32, BF16 = mc.F32, mc.BF16
-# K and V of the passes, each. The gradient kernel (`mosaic_wy_grads`) and one CTA per head take K = V = 128 only:
-# other sizes run the Triton gradient kernels (`Config.grads="triton"`) on what the Mosaic passes save. The dispatch
-# takes the sizes that have run and been timed on a GPU (`kernels/gpu/__init__.py`, `supports_mosaic`).
+# K and V of the passes, each. The gradient kernel takes K and V of 64 or 128 (`mosaic_wy_grads.HEAD_DIMS`); at
+# K or V of 256 the Triton gradient kernels run (`Config.grads="triton"`) on what the Mosaic passes save. One CTA per
+# head takes K = V = 128 only. The dispatch takes the sizes that have run and been timed on a GPU
+# (`kernels/gpu/__init__.py`, `supports_mosaic`).
 HEAD_DIM = 128
 HEAD_DIMS = (64, 128, 256)
 # At K = 256 a pipeline stage's q and k tiles take 64 KiB: state blocks of at most 32 columns and two stages fit
@@ -85,6 +86,13 @@ SM_COUNT = 132  # H100 SXM and H200
 # `bench_mosaic_reverse.py`, H100, 2026-11-26 23:57), Mosaic / Triton: 128 heads 0.237 / 0.416 ms, 32 heads
 # 0.431 / 0.690, 16 heads 1.631 / 1.570.
 MOSAIC_FORWARD_MIN_BATCH_HEADS = 32
+# The same threshold by key dim (`mosaic_forward_min_batch_heads`). H200, 2026-12-04, `bench_mosaic_gpu.py --fwd_bwd`,
+# forward / forward+backward ms with the Mosaic passes against the Triton passes (K = V each time): K = 64, 16 heads
+# (1x32768x16) 1.588 / 4.070 against 1.028 / 2.618, 32 heads (2x8192x16) 0.464 / 1.194 against 0.367 / 0.912, 128
+# heads (8x2048x16, `bench_rules.py`, Triton gradient kernels) 0.227 / 0.811 against 0.309 / 0.896; K = 256, 16 heads
+# 2.703 / 12.080 against 3.495 / 14.250, 32 heads 1.390 / 6.080 against 1.725 / 6.221. Where only K differs, V's share
+# was not measured.
+MOSAIC_FORWARD_MIN_BATCH_HEADS_BY_KEY_DIM = {64: 128, 128: MOSAIC_FORWARD_MIN_BATCH_HEADS, 256: 16}
 MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline by default (`Config.stages`)
 # Calls with at least this many value heads (B * Hv) run one CTA per head (`Config.warpgroups=2`). On the H100
 # (2026-11-26): 128 heads (8x2048x16), pass 0.314 -> 0.237 ms; 32 heads (2x8192x16), 0.583 -> 0.831 ms, 16 heads
@@ -153,12 +161,15 @@ class Config:
     # H100 (docs/mosaic.md, "u formed in the gradient kernel"): the forward gains ~50 us at 8x2048x16x128 and the
     # gradient kernel loses ~200-270 us.
     recompute_u: bool = False
+    # Warpgroups per CTA of the Mosaic gradient kernel: 2, its two roles side by side; 1, both roles in turn, so
+    # that two CTAs share an SM where the SMEM allows (K = V = 64).
+    grads_warpgroups: int = 2
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
                               ("inverse_pair", INVERSE_PAIRS), ("p_operand", P_OPERANDS), ("warpgroups", (1, 2)),
                               ("block_v", BLOCK_VS), ("stages", (1, 2, 3, 4)), ("grads", GRADS),
-                              ("vectors", VECTORS)):
+                              ("vectors", VECTORS), ("grads_warpgroups", (1, 2))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.warpgroups == 2 and self.state_dots != "bf16":
@@ -174,18 +185,19 @@ def default_config(interpret=False, batch_heads=None, key_dim=HEAD_DIM, value_di
     registers, which the interpreter cannot run, so there P goes through SMEM. With at least
     `SHARED_HEAD_MIN_BATCH_HEADS` value heads in the call (B * Hv), one CTA per head with two consumer warpgroups;
     with few enough that V/32 CTAs per head fit one wave on `SM_COUNT` SMs, state blocks of 32 columns. Below
-    `MOSAIC_FORWARD_MIN_BATCH_HEADS` heads, the Triton forward pass (faster there). Head dims other than
-    K = V = 128 (`HEAD_DIMS`): one warpgroup per CTA and the Triton gradient kernels (`check_config`), at K = 256
-    state blocks of at most 32 columns; the thresholds are those measured at 128 (not yet measured there)."""
+    `mosaic_forward_min_batch_heads(key_dim)` heads, the Triton forward pass (faster there). Head dims other than
+    K = V = 128 (`HEAD_DIMS`): one warpgroup per CTA, the Mosaic gradient kernel at K and V of 64 or 128 and the
+    Triton ones at 256 (`check_config`), at K = 256 state blocks of at most 32 columns."""
     full = key_dim == value_dim == HEAD_DIM
-    other_dims = {} if full else dict(grads="triton")
+    grad_dims = mosaic_wy_grads.HEAD_DIMS
+    other_dims = {} if full or (key_dim in grad_dims and value_dim in grad_dims) else dict(grads="triton")
     if key_dim == WIDE_KEY_DIM:
         other_dims["block_v"] = WIDE_KEY_MAX_BLOCK_V
     if interpret:
         return Config(p_operand="smem", **other_dims)
     if batch_heads is None:
         return Config(**other_dims)
-    mosaic_passes = batch_heads >= MOSAIC_FORWARD_MIN_BATCH_HEADS
+    mosaic_passes = batch_heads >= mosaic_forward_min_batch_heads(key_dim)
     passes = dict(mosaic_forward=mosaic_passes, mosaic_reverse=mosaic_passes, **other_dims)
     if full and batch_heads >= SHARED_HEAD_MIN_BATCH_HEADS:
         return Config(warpgroups=2, **passes)
@@ -194,9 +206,15 @@ def default_config(interpret=False, batch_heads=None, key_dim=HEAD_DIM, value_di
     return Config(**passes)
 
 
+def mosaic_forward_min_batch_heads(key_dim):
+    """The value heads per call (B * Hv) from which the default config runs the Mosaic passes at this key dim."""
+    return MOSAIC_FORWARD_MIN_BATCH_HEADS_BY_KEY_DIM[key_dim]
+
+
 def check_config(cfg, key_dim, value_dim):
-    """The knobs that depend on the head dims (`Config` checks the others): one CTA per head and the Mosaic
-    gradient kernel take K = V = `HEAD_DIM` only, K = 256 narrow state blocks."""
+    """The knobs that depend on the head dims (`Config` checks the others): one CTA per head takes K = V =
+    `HEAD_DIM` only, the Mosaic gradient kernel K and V in `mosaic_wy_grads.HEAD_DIMS` (u formed there, V = 128),
+    K = 256 narrow state blocks."""
     if (key_dim, value_dim) == (HEAD_DIM, HEAD_DIM):
         return
     if key_dim == WIDE_KEY_DIM and (cfg.block_v > WIDE_KEY_MAX_BLOCK_V or cfg.stages > WIDE_KEY_MAX_STAGES):
@@ -205,8 +223,13 @@ def check_config(cfg, key_dim, value_dim):
     dims = f"K = V = {HEAD_DIM}, got K={key_dim}, V={value_dim}"
     if cfg.warpgroups != 1:
         raise ValueError(f"warpgroups=2 (one CTA per head) takes {dims}; use warpgroups=1")
-    if cfg.grads != "triton":
-        raise ValueError(f"grads={cfg.grads!r} (the Mosaic gradient kernel) takes {dims}; use grads='triton'")
+    grad_dims = mosaic_wy_grads.HEAD_DIMS
+    if cfg.grads == "mosaic" and not (key_dim in grad_dims and value_dim in grad_dims):
+        raise ValueError(f"grads='mosaic' (the Mosaic gradient kernel) takes K and V in {grad_dims}, got "
+                         f"K={key_dim}, V={value_dim}; use grads='triton'")
+    if cfg.grads == "mosaic" and cfg.recompute_u and value_dim != HEAD_DIM:
+        raise ValueError(f"recompute_u=True (u formed in the Mosaic gradient kernel) takes V = {HEAD_DIM}, got "
+                         f"V={value_dim}; use recompute_u=False")
 
 
 def _swizzle(cfg):
@@ -817,7 +840,7 @@ def _wy_mosaic_bwd(static, residuals, cotangents):
     dq, dk, dv, dbeta, dlog = mosaic_wy_grads.grads(
         q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, scale=scale, segmented=segmented,
         interpret=interpret, vectors=vectors if with_kernel else None, survive=survive if with_kernel else None,
-        t_pair=t_pair if u is None else None)
+        t_pair=t_pair if u is None else None, warpgroups=cfg.grads_warpgroups)
     return dq, dk, dv, dbeta.astype(beta.dtype), dlog, None, None, None, dh0
 
 
@@ -858,9 +881,9 @@ def _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size):
 def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64, interpret=None,
                     config=None):
     """Gated DeltaNet forward (o, final_state) with the sequential pass in Mosaic GPU; the signature of
-    `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K and V in `HEAD_DIMS` (the Mosaic backward and one CTA per head at
-    K = V = 128 only, `check_config`), Hv a multiple of H, scalar or no decay, any T, optional initial state and
-    segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
+    `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K and V in `HEAD_DIMS` (the Mosaic gradient kernel at 64 and 128,
+    one CTA per head at K = V = 128 only, `check_config`), Hv a multiple of H, scalar or no decay, any T, optional
+    initial state and segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
     kernel in the Mosaic GPU interpreter; `config`: a `Config` (default `default_config()`). Differentiated: the
     reverse pass (Mosaic GPU's from 32 value heads per call on, `Config.mosaic_reverse`), then the gradient kernel
     in Mosaic GPU (`Config.grads`)."""

@@ -50,9 +50,13 @@ The products, M x N x K:
 
 Every fp32 operand thus enters in the "split" mode (~2^-16 relative per product): the Triton "merged" kernel's
 `grad_dots`, and finer than its default `grad_k_dots` "bf16" (which rounds the operands of dk's state and dA_k
-terms to bf16). Supported: bf16 q/k/v, K = V = 128, C = 64, Hv value heads a multiple of the H key heads (value
-head h reads q and k at key head h // (Hv / H) and writes its own dq and dk in fp32, which `grads` sums over the
-heads sharing a key head). SMEM: 225 KiB, one CTA per SM.
+terms to bf16). Supported: bf16 q/k/v, K and V each of 64 or 128 (`HEAD_DIMS`), C = 64, Hv value heads a multiple
+of the H key heads (value head h reads q and k at key head h // (Hv / H) and writes its own dq and dk in fp32, which
+`grads` sums over the heads sharing a key head). The tables above are for K = V = 128; at V = 64 warpgroup 1 has no
+V piece (its shares of the per-token sums are zeros) and forms dk only, at K = 64 the key-sized tiles and
+accumulators halve. SMEM tiles: 210 KiB at K = V = 128 (one CTA per SM), 106 KiB at K = V = 64, where two CTAs of
+one warpgroup each (`warpgroups=1`, both roles in turn) may share an SM: measured slower than one CTA of two
+warpgroups (docs/mosaic.md, next step 6).
 """
 
 from __future__ import annotations
@@ -72,8 +76,10 @@ from deltajax.kernels.gpu.common import split_bf16_in_xla
 
 F32, BF16 = mc.F32, mc.BF16
 CHUNK = 64
-HEAD_DIM = 128
-HALF = HEAD_DIM // 2  # the V columns per wgmma operand tile (128-byte rows)
+# K and V each. V comes in pieces of HALF columns, one per warpgroup at V = 128; at V = 64 warpgroup 1 has no piece
+# and forms dk only.
+HEAD_DIMS = (64, 128)
+HALF = 64  # the V columns per wgmma operand tile (128-byte rows)
 # The per-token vectors the kernel reads, in the order of `token_vectors`' rows; G and doc again as columns.
 ROW_VECTORS = ("g_hi", "g_lo", "beta", "from_start", "to_end", "doc")
 COL_VECTORS = ("g_hi", "g_lo", "doc")
@@ -86,9 +92,9 @@ def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t):
     start states and end-state cotangents; vec_ref: `token_vectors` (6, B*Hv, Tp). Outputs: dq, dk (B, Tp, Hv, K),
     bf16, or fp32 where `group` > 1 (`grads` sums them over the group); dv (B, Tp, Hv, V) bf16; each warpgroup's
     share of dbeta, of dL/dG's per-token terms and of the end terms (2, B*Hv, Tp) fp32, and of the survival row sums
-    (2, B*Hv, nt*K). SMEM: the inputs by V half (u_s, x_s: [half, hi/lo]), the dP and dA_k pairs (p_s, a_s:
-    [hi/lo]), a tile of ones, the vectors. With `u_from_t`, T's pair arrives in the tiles of u's second half
-    (`_warpgroup`)."""
+    (2, B*Hv, nt*K). SMEM: the inputs by V piece (u_s, x_s: [piece, hi/lo]), the dP and dA_k pairs (p_s, a_s:
+    [hi/lo]; Z's pair and a tile of ones at the end), the vectors. With `u_from_t`, T's pair arrives in the tiles of
+    u's second piece (`_warpgroup`)."""
     n_in = 10 if u_from_t else 11
     inputs, outputs, tiles = refs[:n_in], refs[n_in:n_in + 7], refs[n_in + 7:]
     if u_from_t:
@@ -98,7 +104,7 @@ def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t):
         q_ref, k_ref, v_ref, do_ref, u_hi_ref, u_lo_ref, dx_hi_ref, dx_lo_ref, starts_ref, dends_ref, vec_ref = inputs
         u_refs = (u_hi_ref, u_lo_ref)
     dq_ref, dk_ref, dv_ref, dbeta_ref, dgate_ref, end_ref, survive_ref = outputs
-    q_s, k_s, do_s, s0_s, dend_s, u_s, x_s, p_s, a_s, ones_s, *scratch = tiles
+    q_s, k_s, do_s, s0_s, dend_s, u_s, x_s, p_s, a_s, *scratch = tiles
     n_vec = len(ROW_VECTORS) + len(COL_VECTORS)
     vec_s, barriers = scratch[:n_vec], scratch[n_vec:]
     first_loads, second_loads, handoff = barriers[:3]
@@ -111,9 +117,10 @@ def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t):
     wg = lax.axis_index("wg") if threads == 2 else 0
     b, h = bh // num_heads, bh % num_heads
     key_head = h // group
+    key_dim, n_halves = k_s.shape[1], do_s.shape[0]
     tokens = pl.ds(i * CHUNK, CHUNK)
-    state_rows = pl.ds(i * HEAD_DIM, HEAD_DIM)
-    halves = [pl.ds(j * HALF, HALF) for j in range(2)]
+    state_rows = pl.ds(i * key_dim, key_dim)
+    halves = [pl.ds(j * HALF, HALF) for j in range(n_halves)]
 
     @pl.when(wg == 0)
     def _issue_loads():
@@ -134,18 +141,17 @@ def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t):
         for group, barrier in ((first, first_loads), (second, second_loads)):
             for src, dst in group:
                 plgpu.copy_gmem_to_smem(src, dst, barrier)
-        # Read by both warpgroups' colsum(Z) products, after the handoffs that follow this warpgroup's commit.
-        ones_s[...] = mc.wgmma_layout(jnp.ones((CHUNK, CHUNK), BF16))
 
     refs = types.SimpleNamespace(
-        q_s=q_s, k_s=k_s, do_s=do_s, s0_s=s0_s, dend_s=dend_s, u_s=u_s, x_s=x_s, p_s=p_s, a_s=a_s, ones_s=ones_s,
+        q_s=q_s, k_s=k_s, do_s=do_s, s0_s=s0_s, dend_s=dend_s, u_s=u_s, x_s=x_s, p_s=p_s, a_s=a_s,
         row_vec=row_vec, col_vec=col_vec, first_loads=first_loads, second_loads=second_loads, handoff=handoff,
         u_stored=u_stored)
+    # Warpgroup w's V piece: w itself, or none (V = 64, w = 1).
     roles = [functools.partial(
-        _warpgroup, w, refs, v_ref.at[b, tokens, h, halves[w]], scale=scale, segmented=segmented,
-        concurrent=threads == 2,
+        _warpgroup, w, refs, v_ref.at[b, tokens, h, halves[w]] if w < n_halves else None, scale=scale,
+        segmented=segmented, concurrent=threads == 2,
         out=dict(dq=dq_ref.at[b, tokens, h, :], dk=dk_ref.at[b, tokens, h, :],
-                 dv=dv_ref.at[b, tokens, h, halves[w]], dbeta=dbeta_ref.at[w, bh, tokens],
+                 dv=dv_ref.at[b, tokens, h, halves[w]] if w < n_halves else None, dbeta=dbeta_ref.at[w, bh, tokens],
                  dgate=dgate_ref.at[w, bh, tokens], end=end_ref.at[w, bh, tokens],
                  survive=survive_ref.at[w, bh, state_rows])) for w in range(2)]
     mc.run_roles(roles, wg, threads)
@@ -158,7 +164,7 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
     tiles). A generator that yields between the roles' steps, so that one warpgroup can also run both roles in turn
     (`concurrent=False`: no barriers between the roles, each load barrier waited on once): warpgroup 0's first step
     stores both pairs before warpgroup 1's first step reads them, and overwrites dP's only in its second."""
-    C, K = CHUNK, HEAD_DIM
+    C, K, n_halves = CHUNK, r.k_s.shape[1], r.do_s.shape[0]
     row_vec, col_vec, handoff = r.row_vec, r.col_vec, r.handoff
     if concurrent or w == 0:
         plgpu.barrier_wait(r.first_loads)
@@ -191,35 +197,40 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
         v = load(v_tile)  # from GMEM while the products run
         return *mc.read(ks_ref, kd_ref), v
 
-    ks, kd, v = pl.run_scoped(state_products, mc.acc(C, HALF), mc.acc(C, HALF))
-    y = mc.wgmma_layout(v - rows(from_start) * ks)  # (3)
-    dx = pair(r.x_s.at[w])
-    out["dv"][...] = mc.wgmma_layout((rows(beta) * dx).astype(out["dv"].dtype))
-    dbeta = jnp.sum(dx * y, axis=1)
-    dgate = -jnp.sum(rows(beta_start) * dx * ks, axis=1)  # through carry exp(G) in (3)
-    if r.u_stored is None:
-        end = to_end * jnp.sum(pair(r.u_s.at[w]) * kd, axis=1)
+    # Zeros in the layout of the rows' sums (a splat of fewer than 128 elements cannot be stored).
+    zeros = lambda n: plgpu.layout_cast(jnp.zeros((n,), F32), plgpu.Layout.WGMMA.reduce(1))
+    if v_tile is None:  # no V piece (V = 64, warpgroup 1): its shares of the sums are zero
+        dbeta = dgate = end = zeros(C)
     else:
-        # u = T diag(beta) y of (4), V half w, as the forward pass forms it (from bf16(S_0), which K S_0 reads
-        # there too): diag(beta) y's pair goes through this warpgroup's score tiles (free until dP / dA_k), T's
-        # pair arrives in the tiles of u's second half, which warpgroup 1 overwrites once warpgroup 0 has read T.
-        y_tiles = r.p_s if w == 0 else r.a_s
-        mc.store_split(rows(beta) * y, y_tiles.at[0], y_tiles.at[1])
-        plgpu.commit_smem()
-        t_hi, t_lo = r.u_s.at[1, 0], r.u_s.at[1, 1]
-        u = accumulate([(t_hi, y_tiles.at[0]), (t_hi, y_tiles.at[1]), (t_lo, y_tiles.at[0])], n=HALF)
-        if concurrent:
-            (plgpu.barrier_arrive if w == 0 else plgpu.barrier_wait)(r.u_stored.t_read)
-        mc.store_split(u, r.u_s.at[w, 0], r.u_s.at[w, 1])
-        plgpu.commit_smem()
-        end = to_end * jnp.sum(u * kd, axis=1)
-        if concurrent:
-            plgpu.barrier_arrive(r.u_stored.both)
-        yield
-        if concurrent:
-            plgpu.barrier_wait(r.u_stored.both)
+        ks, kd, v = pl.run_scoped(state_products, mc.acc(C, HALF), mc.acc(C, HALF))
+        y = mc.wgmma_layout(v - rows(from_start) * ks)  # (3)
+        dx = pair(r.x_s.at[w])
+        out["dv"][...] = mc.wgmma_layout((rows(beta) * dx).astype(out["dv"].dtype))
+        dbeta = jnp.sum(dx * y, axis=1)
+        dgate = -jnp.sum(rows(beta_start) * dx * ks, axis=1)  # through carry exp(G) in (3)
+        if r.u_stored is None:
+            end = to_end * jnp.sum(pair(r.u_s.at[w]) * kd, axis=1)
+        else:
+            # u = T diag(beta) y of (4), V half w, as the forward pass forms it (from bf16(S_0), which K S_0 reads
+            # there too): diag(beta) y's pair goes through this warpgroup's score tiles (free until dP / dA_k), T's
+            # pair arrives in the tiles of u's second half, which warpgroup 1 overwrites once warpgroup 0 has read T.
+            y_tiles = r.p_s if w == 0 else r.a_s
+            mc.store_split(rows(beta) * y, y_tiles.at[0], y_tiles.at[1])
+            plgpu.commit_smem()
+            t_hi, t_lo = r.u_s.at[1, 0], r.u_s.at[1, 1]
+            u = accumulate([(t_hi, y_tiles.at[0]), (t_hi, y_tiles.at[1]), (t_lo, y_tiles.at[0])], n=HALF)
+            if concurrent:
+                (plgpu.barrier_arrive if w == 0 else plgpu.barrier_wait)(r.u_stored.t_read)
+            mc.store_split(u, r.u_s.at[w, 0], r.u_s.at[w, 1])
+            plgpu.commit_smem()
+            end = to_end * jnp.sum(u * kd, axis=1)
+            if concurrent:
+                plgpu.barrier_arrive(r.u_stored.both)
+            yield
+            if concurrent:
+                plgpu.barrier_wait(r.u_stored.both)
 
-    u_parts = [transposed(r.u_s.at[j, part]) for j in range(2) for part in range(2)]
+    u_parts = [transposed(r.u_s.at[j, part]) for j in range(n_halves) for part in range(2)]
     masks = lambda: mc.chunk_masks(row_vec["doc"], col_vec["doc"], C, segmented)
     decay = lambda mask: mc.pair_decay(row_vec["g_hi"], row_vec["g_lo"], col_vec["g_hi"], col_vec["g_lo"], mask, C)
 
@@ -238,7 +249,7 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
     def key_pair_grads(nda_ref, kk_ref):
         """dA_k = beta_t dA (.) decay (t > s), dA = -dx u^T, stored as its pair; returns (its dbeta terms, the
         dA_k (.) K K^T part of Z)."""
-        for j in range(2):
+        for j in range(n_halves):
             for x_part, u_part in ((0, 0), (0, 1), (1, 0)):  # hi*hi + hi*lo + lo*hi
                 plgpu.wgmma(nda_ref, r.x_s.at[j, x_part], u_parts[2 * j + u_part])
         plgpu.wgmma(kk_ref, r.k_s, transposed(r.k_s))
@@ -265,19 +276,21 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
 
         # dq = scale f (.) dO S_0^T + dP K
         dq_state = mc.wgmma_layout(scale * rows(from_start, K)
-                                   * accumulate([(r.do_s.at[j], transposed(r.s0_s.at[j])) for j in range(2)]))
+                                   * accumulate([(r.do_s.at[j], transposed(r.s0_s.at[j])) for j in range(n_halves)]))
         local = jnp.sum(dq_state * load(r.q_s), axis=1)
         dq = mc.wgmma_layout(dq_state + accumulate([(r.p_s.at[part], r.k_s) for part in range(2)]))
         out["dq"][...] = mc.wgmma_layout(dq.astype(out["dq"].dtype))
-        # colsum(Z): rows of Z^T times ones, Z's pair in dP's tiles once warpgroup 1 has read dP and dA_k.
+        # colsum(Z): rows of Z^T times ones, Z's pair in dP's tiles and the ones in dA_k's hi tile once warpgroup 1
+        # has read dP and dA_k (a tile of its own would keep the SMEM at K = V = 64 over half an SM's).
         if concurrent:
             plgpu.barrier_wait(handoff.at[2])
         mc.store_split(z, r.p_s.at[0], r.p_s.at[1])
+        r.a_s.at[0][...] = mc.wgmma_layout(jnp.ones((C, C), BF16))
         plgpu.commit_smem()
-        colsum = jnp.max(accumulate([(transposed(r.p_s.at[part]), r.ones_s) for part in range(2)], n=C), axis=1)
+        colsum = jnp.max(accumulate([(transposed(r.p_s.at[part]), r.a_s.at[0]) for part in range(2)], n=C), axis=1)
         dgate = dgate - colsum + local
     else:  # dk: the state terms with their row factors after the products, then dA_k's and dP's terms
-        pairs = lambda tiles, state: [(tiles.at[j, part], transposed(state.at[j])) for j in range(2)
+        pairs = lambda tiles, state: [(tiles.at[j, part], transposed(state.at[j])) for j in range(n_halves)
                                       for part in range(2)]
         dk = mc.wgmma_layout(rows(to_end, K) * accumulate(pairs(r.u_s, r.dend_s))  # (e (.) u) dS_end^T
                              - rows(beta_start, K) * accumulate(pairs(r.x_s, r.s0_s)))  # dks S_0^T
@@ -301,7 +314,10 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
     out["dgate"][...] = dgate
     out["end"][...] = end
     # Last, when few registers are live: sum(S_0 (.) dS_end) by rows over V half w, for the survival factor.
-    out["survive"][...] = jnp.sum(load(r.s0_s.at[w]) * load(r.dend_s.at[w]), axis=1)
+    if v_tile is None:
+        out["survive"][...] = zeros(K)
+    else:
+        out["survive"][...] = jnp.sum(load(r.s0_s.at[w]) * load(r.dend_s.at[w]), axis=1)
 
 
 def token_vectors(g, beta, carry, tail, doc=None):
@@ -321,17 +337,17 @@ def token_vectors(g, beta, carry, tail, doc=None):
     return jnp.stack([heads_major(x.astype(F32)) for x in rows])
 
 
-def _scratch_types(u_from_t):
-    C, K = CHUNK, HEAD_DIM
-    inputs = (mc.tiled((C, K)), mc.tiled((C, K)), mc.tiled((2, C, HALF)), mc.tiled((2, K, HALF)),
-              mc.tiled((2, K, HALF)), mc.tiled((2, 2, C, HALF)), mc.tiled((2, 2, C, HALF)))
-    operands = (mc.tiled((2, C, C)), mc.tiled((2, C, C)), mc.tiled((C, C)))  # dP pair, dA_k pair, ones
+def _scratch_types(u_from_t, key_dim, value_dim):
+    C, K, n = CHUNK, key_dim, value_dim // HALF
+    inputs = (mc.tiled((C, K)), mc.tiled((C, K)), mc.tiled((n, C, HALF)), mc.tiled((n, K, HALF)),
+              mc.tiled((n, K, HALF)), mc.tiled((n, 2, C, HALF)), mc.tiled((n, 2, C, HALF)))
+    operands = (mc.tiled((2, C, C)), mc.tiled((2, C, C)))  # dP pair (then Z's), dA_k pair (then ones)
     vectors = tuple(plgpu.SMEM((C,), F32) for _ in ROW_VECTORS + COL_VECTORS)
     # Arrivals: one per copy of each group (`_grad_body`: k, the vectors, S_0 and dS_end by halves, then u's and
     # dx's pairs by halves or dx's by halves and T's pair; dO's halves and q); one per warpgroup for the
     # handoffs, and both warpgroups' for u's pairs.
-    first = 1 + len(ROW_VECTORS) + len(COL_VECTORS) + 2 * 2 + (2 * 2 + 2 if u_from_t else 2 * 4)
-    second = 2 + 1
+    first = 1 + len(ROW_VECTORS) + len(COL_VECTORS) + 2 * n + (2 * n + 2 if u_from_t else 4 * n)
+    second = n + 1
     barriers = (plgpu.Barrier(num_arrivals=first), plgpu.Barrier(num_arrivals=second),
                 plgpu.Barrier(num_arrivals=1, num_barriers=3))
     if u_from_t:
@@ -345,7 +361,7 @@ def as_pair(x):
 
 
 def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale, segmented, interpret, vectors=None,
-          survive=None, t_pair=None):
+          survive=None, t_pair=None, warpgroups=2):
     """(dq, dk, dv, dbeta, d(log_decay)) of every chunk, as `wy_chunk._grads` returns them for "merged": padded
     inputs (Tp a multiple of 64), q, k (B, Tp, H, K) and v (B, Tp, Hv, V) with Hv a multiple of H, g = [hi, lo]
     in-chunk gates, starts / dends (B, Hv, nt*K, V) bf16, do bf16, u and dx each as its bf16 (hi, lo) halves
@@ -362,6 +378,11 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     dx = as_pair(dx)
     B, Tp, key_heads, K = q.shape
     H, V = v.shape[2:]  # the value heads: the kernel's grid and every per-head array below
+    if K not in HEAD_DIMS or V not in HEAD_DIMS:
+        raise ValueError(f"grads: K and V must each be one of {HEAD_DIMS}, got K={K}, V={V}")
+    if u_from_t and V != 2 * HALF:
+        # T's pair arrives in the tiles of u's second V piece, which V = 64 does not have.
+        raise ValueError(f"grads: u None (formed from T's pair) takes V = {2 * HALF}, got V={V}")
     group = H // key_heads
     nt = Tp // CHUNK
     vectors = token_vectors(g, beta, carry, tail, doc) if vectors is None else vectors
@@ -371,14 +392,17 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), dqk_dtype), jax.ShapeDtypeStruct((B, Tp, H, K), dqk_dtype),
                 jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), bh_vector, bh_vector, bh_vector,
                 jax.ShapeDtypeStruct((2, B * H, nt * K), F32))
-    # Two warpgroups compiled. The interpreter runs each Pallas thread as a computation of its own, and on few CPU
-    # cores one blocked in a barrier wait can starve the other of host threads (seen on 2 cores): there one
-    # warpgroup runs both roles in turn (the same SMEM handoffs, no barriers between the roles).
-    threads = 1 if interpret else 2
+    # `warpgroups` compiled: two side by side, or one running both roles in turn (the same SMEM handoffs, no
+    # barriers between the roles), where two CTAs share an SM (SMEM at most half of it: K = V = 64). The interpreter
+    # runs each Pallas thread as a computation of its own, and on few CPU cores one blocked in a barrier wait can
+    # starve the other of host threads (seen on 2 cores): there one warpgroup always.
+    if warpgroups not in (1, 2):
+        raise ValueError(f"grads: warpgroups must be 1 (both roles in turn) or 2 (side by side), got {warpgroups}")
+    threads = 1 if interpret else warpgroups
     kernel = plgpu.kernel(
         functools.partial(_grad_body, scale=scale, num_heads=H, group=group, segmented=segmented, threads=threads,
                           u_from_t=u_from_t),
-        out_type=out_type, scratch_types=_scratch_types(u_from_t), grid=(nt, B * H), grid_names=("chunk", "head"),
+        out_type=out_type, scratch_types=_scratch_types(u_from_t, K, V), grid=(nt, B * H), grid_names=("chunk", "head"),
         num_threads=threads, thread_name="wg",
         # Every reduction is along the rows, within a warp: no SMEM for cross-warp ones (which fills 227 KiB).
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),

@@ -249,7 +249,8 @@ def test_grouped_value_heads_gradients_match_scan_in_interpreter(config):
     _check_grads(x, cfg)
 
 
-# Head dims other than K = V = 128 (`mosaic_wy.HEAD_DIMS`): the Mosaic passes, the Triton gradient kernels.
+# Head dims other than K = V = 128 (`mosaic_wy.HEAD_DIMS`): the Mosaic passes; the Mosaic gradient kernel at K and V
+# of 64 or 128, the Triton ones at 256.
 OTHER_HEAD_DIMS = [(64, 64), (64, 128), (128, 64), (256, 128), (128, 256)]
 
 
@@ -260,31 +261,38 @@ def test_other_head_dims_match_scan_in_interpreter(K, V):
     x = rule_inputs(fresh_key(), B=1, T=130, H=1, Hv=2, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
                     with_initial_state=True)
     config = mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V)
-    assert (config.warpgroups, config.grads) == (1, "triton")
+    assert (config.warpgroups, config.grads) == (1, "triton" if 256 in (K, V) else "mosaic")
     assert config.block_v == (32 if K == 256 else 64)
     _check(x, config=config)
     if (K, V) == (64, 64):  # state blocks of 32 columns, two per head
         _check(x, config=dataclasses.replace(config, block_v=32))
 
 
-@pytest.mark.parametrize("K,V", [(64, 64), (128, 64), (256, 128)])
-def test_other_head_dims_gradients_match_scan_in_interpreter(K, V):
+@pytest.mark.parametrize("K,V,grads", [(64, 64, "triton"), (128, 64, "triton"), (256, 128, "triton"),
+                                        (64, 64, "mosaic"), (64, 128, "mosaic"), (128, 64, "mosaic")])
+def test_other_head_dims_gradients_match_scan_in_interpreter(K, V, grads):
     """Differentiated at K or V of 64 or 256: the Mosaic pass writes the start states and u, the Mosaic reverse
     pass the end-state cotangents and dx, for the Triton gradient kernels (`_saves_triton_residuals`; the lowering
-    test checks that no Triton forward or reverse pass runs); every gradient against the fp32 scan's."""
+    test checks that no Triton forward or reverse pass runs) or, at K and V of 64 or 128, the Mosaic one; every
+    gradient against the fp32 scan's."""
     x = rule_inputs(fresh_key(), B=1, T=100, H=2, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
                     with_initial_state=True)
-    _check_grads(x, mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V))
+    config = dataclasses.replace(mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V), grads=grads)
+    _check_grads(x, config)
 
 
-def test_other_head_dims_refuse_the_mosaic_backward_and_shared_heads():
-    x = rule_inputs(fresh_key(), B=1, T=64, H=1, K=64, V=64, dtype=jnp.bfloat16)
-    base = mosaic_wy.default_config(interpret=True, key_dim=64, value_dim=64)
-    for change, message in ((dict(grads="mosaic"), "grads='mosaic' .* takes K = V = 128, got K=64, V=64"),
-                            (dict(warpgroups=2, block_v=64), "warpgroups=2 .* takes K = V = 128")):
-        with pytest.raises(ValueError, match=message):
-            chunk_wy_mosaic(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], scale=0.3, initial_state=None,
-                            segment_ids=None, interpret=True, config=dataclasses.replace(base, **change))
+@pytest.mark.parametrize("K,V,change,message", [
+    (64, 64, dict(warpgroups=2, block_v=64), "warpgroups=2 .* takes K = V = 128"),
+    (256, 64, dict(grads="mosaic"), r"grads='mosaic' .* takes K and V in \(64, 128\), got K=256, V=64"),
+    (64, 64, dict(grads="mosaic", recompute_u=True), "recompute_u=True .* takes V = 128, got V=64")])
+def test_other_head_dims_refuse_what_does_not_fit(K, V, change, message):
+    """One CTA per head at K = V = 128 only; the Mosaic gradient kernel at K and V of 64 or 128, and forming u
+    itself at V = 128 only (T's pair arrives in the tiles of u's second V piece)."""
+    x = rule_inputs(fresh_key(), B=1, T=64, H=1, K=K, V=V, dtype=jnp.bfloat16)
+    base = mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V)
+    with pytest.raises(ValueError, match=message):
+        chunk_wy_mosaic(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], scale=0.3, initial_state=None,
+                        segment_ids=None, interpret=True, config=dataclasses.replace(base, **change))
 
 
 def test_wide_keys_refuse_what_overflows_shared_memory():
@@ -391,12 +399,21 @@ def test_default_config_shares_heads_from_the_threshold():
         cfg = mosaic_wy.default_config(batch_heads=heads)
         assert cfg.mosaic_forward == cfg.mosaic_reverse == mosaic, (heads, cfg)
     assert mosaic_wy.default_config(interpret=True, batch_heads=threshold).p_operand == "smem"
-    # Other head dims: one warpgroup per CTA whatever the heads, and the Triton backward.
+    # Other head dims: one warpgroup per CTA whatever the heads; the Triton gradient kernels at K or V of 256.
     for K, V in OTHER_HEAD_DIMS:
         for heads in (None, 16, threshold):
             cfg = mosaic_wy.default_config(batch_heads=heads, key_dim=K, value_dim=V)
-            assert (cfg.warpgroups, cfg.grads) == (1, "triton"), (K, V, heads, cfg)
+            grads = "triton" if 256 in (K, V) else "mosaic"
+            assert (cfg.warpgroups, cfg.grads) == (1, grads), (K, V, heads, cfg)
             assert K != 256 or cfg.block_v == 32, (K, V, heads, cfg)
+    # The Mosaic passes' thresholds by key dim: later at K = 64, earlier at 256.
+    for K in mosaic_wy.HEAD_DIMS:
+        enough = mosaic_wy.mosaic_forward_min_batch_heads(K)
+        for heads, mosaic in ((enough, True), (enough - 1, False)):
+            cfg = mosaic_wy.default_config(batch_heads=heads, key_dim=K, value_dim=K)
+            assert cfg.mosaic_forward == cfg.mosaic_reverse == mosaic, (K, heads, cfg)
+    assert (mosaic_wy.mosaic_forward_min_batch_heads(64) > mosaic_wy.MOSAIC_FORWARD_MIN_BATCH_HEADS
+            > mosaic_wy.mosaic_forward_min_batch_heads(256))
     assert mosaic_wy.default_config(batch_heads=threshold).grads == "mosaic"
 
 
@@ -429,7 +446,7 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL)
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(decay="none", has_initial_state=False))
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(value_heads=8))  # two value heads per key head
-    for K, V in OTHER_HEAD_DIMS:  # the Mosaic passes, the Triton gradient kernels
+    for K, V in OTHER_HEAD_DIMS:  # the Mosaic passes, the Mosaic gradient kernel or (256) the Triton ones
         assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(key_dim=K, value_dim=V)), (K, V)
     for change in (dict(platform="cpu"), dict(platform="tpu"), dict(op="linear_attention"), dict(decay="channel"),
                    dict(dtype="float32"), dict(dtype="float16"), dict(key_dim=32), dict(value_dim=512),
@@ -551,22 +568,27 @@ def test_gradient_lowers_for_cuda(config):
     assert bool(triton_kernels & {"wy_forward", "wy_states"}) == (config == "triton_forward"), triton_kernels
 
 
-@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
+@pytest.mark.parametrize("K,V,grads", [(K, V, "triton") for K, V in OTHER_HEAD_DIMS]
+                         + [(K, V, grads) for K, V in OTHER_HEAD_DIMS[:3] for grads in ("mosaic", "mosaic_1wg")])
 @pytest.mark.parametrize("heads", [4, 64])
-def test_other_head_dims_lower_for_cuda(K, V, heads):
+def test_other_head_dims_lower_for_cuda(K, V, grads, heads):
     """K or V of 64 or 256, the call and its gradient lowered for an abstract H100 at 4 value heads (state blocks of
     32 columns) and 64: the Mosaic forward pass once, saving the residuals under differentiation, the Mosaic
-    reverse pass and the Triton gradient kernels (no Triton forward or reverse pass)."""
-    cfg = mosaic_wy.default_config(batch_heads=max(heads, mosaic_wy.MOSAIC_FORWARD_MIN_BATCH_HEADS), key_dim=K,
-                                   value_dim=V)
+    reverse pass and the Triton gradient kernels (no Triton forward or reverse pass), or at K and V of 64 or 128
+    the Mosaic one ("mosaic_1wg": one warpgroup per CTA running both roles)."""
+    cfg = mosaic_wy.default_config(batch_heads=heads, key_dim=K, value_dim=V)
+    cfg = dataclasses.replace(cfg, mosaic_forward=True, mosaic_reverse=True, grads=grads.removesuffix("_1wg"),
+                              grads_warpgroups=1 if "1wg" in grads else 2)
     forward, gradient = _lowered_call_and_gradient(cfg, H=heads, Hv=heads, K=K, V=V)
     assert forward.count("custom_call @mosaic_gpu_v2") == 1
-    assert gradient.count("custom_call @mosaic_gpu_v2") == 2
+    assert gradient.count("custom_call @mosaic_gpu_v2") == (3 if cfg.grads == "mosaic" else 2)
     triton_kernels = set(re.findall(r'name = "(wy_[a-z_]+)"', gradient))
     # The Triton gradient kernels: "merged" up to K = 128, "staged" (a K-block and a V-block kernel) above.
-    gradient_kernels = {"wy_grads_k", "wy_grads_v"} if K == 256 else {"wy_grads_merged"}
+    gradient_kernels = (set() if cfg.grads == "mosaic" else {"wy_grads_k", "wy_grads_v"} if K == 256
+                        else {"wy_grads_merged"})
     assert {"wy_inverse", *gradient_kernels} <= triton_kernels, triton_kernels
-    assert not triton_kernels & {"wy_forward", "wy_states", "wy_reverse"}, triton_kernels
+    assert not triton_kernels & {"wy_forward", "wy_states", "wy_reverse", "wy_grads_merged"} - gradient_kernels, (
+        triton_kernels)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
@@ -577,9 +599,23 @@ def test_gpu_other_head_dims_match_scan(K, V):
     gradient keeps every token's state: 2.5 GB at K x V = 128 x 256, T = 600.)"""
     x = rule_inputs(fresh_key(), B=8, T=600, H=4, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
                     with_initial_state=True)
-    cfg = mosaic_wy.default_config(batch_heads=32, key_dim=K, value_dim=V)
-    assert cfg.mosaic_forward
+    cfg = dataclasses.replace(mosaic_wy.default_config(batch_heads=32, key_dim=K, value_dim=V), mosaic_forward=True,
+                              mosaic_reverse=True)
     _check(x, config=cfg)
+    _check_grads(x, cfg)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS[:3])
+@pytest.mark.parametrize("grads", ["triton", "mosaic", "mosaic_1wg"])
+def test_gpu_other_head_dims_gradients_match_scan(K, V, grads):
+    """Compiled, K or V of 64 with each gradient kernel ("mosaic_1wg": one warpgroup per CTA running both roles,
+    two CTAs per SM where SMEM allows): every gradient against the fp32 scan's."""
+    x = rule_inputs(fresh_key(), B=8, T=600, H=4, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
+                    with_initial_state=True)
+    cfg = dataclasses.replace(mosaic_wy.default_config(batch_heads=32, key_dim=K, value_dim=V), mosaic_forward=True,
+                              mosaic_reverse=True, grads=grads.removesuffix("_1wg"),
+                              grads_warpgroups=1 if "1wg" in grads else 2)
     _check_grads(x, cfg)
 
 

@@ -22,8 +22,10 @@ from testing_utils import fresh_key, relative_error, rule_inputs
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
 ON_GPU = jax.default_backend() == "gpu"
-D = mosaic_wy_grads.HEAD_DIM
+D = 128
 SCALE = D ** -0.5
+# The other (K, V) the kernel takes (`mosaic_wy_grads.HEAD_DIMS`): at V = 64 warpgroup 1 has no V piece.
+OTHER_HEAD_DIMS = [(64, 64), (64, 128), (128, 64)]
 # dq, dk, dv are bf16 outputs: one rounding each (relative 2^-9 at most per element). dbeta and d(log_decay) are
 # fp32 from products in the split mode on both sides (~2^-16 relative per product), the Mosaic kernel reading u and
 # dx as bf16 pairs (2^-17 relative) where the Triton one splits fp32 values; d(log_decay) sums them with
@@ -51,10 +53,11 @@ def _residuals(x, do, dfinal):
 def _compare(x, u_from_t=False):
     """`u_from_t`: the kernel forms u from T's pair (the split of the Triton pass's fp32 T) instead of reading the
     Triton pass's u, which that pass forms with the same product modes (bf16(S_0) in K S_0, T's products split)."""
-    B, T, H, _ = x["q"].shape
+    B, T, H, K = x["q"].shape
+    V = x["v"].shape[3]
     kd, kf = jax.random.split(fresh_key())
-    do = jax.random.normal(kd, (B, T, H, D), jnp.bfloat16)
-    dfinal = jax.random.normal(kf, (B, H, D, D), jnp.float32)
+    do = jax.random.normal(kd, (B, T, H, V), jnp.bfloat16)
+    dfinal = jax.random.normal(kf, (B, H, K, V), jnp.float32)
     cfg, t, t_grads, res = _residuals(x, do, dfinal)
     segmented = x["segment_ids"] is not None
     t_pair = (t if t.ndim == 5 else jnp.stack(split_bf16_in_xla(t))) if u_from_t else None  # fp32 T or its pair
@@ -124,23 +127,50 @@ def test_without_decay_in_interpreter():
     _compare(rule_inputs(fresh_key(), B=1, T=64, H=1, K=D, V=D, dtype=jnp.bfloat16, decay="none", packed=True))
 
 
+@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
+@pytest.mark.parametrize("case", ["plain", "packed_correlated_keys"])
+def test_other_head_dims_match_the_triton_kernel_in_interpreter(K, V, case):
+    """K or V of 64: the V pieces and key-sized tiles follow the call's dims. T not a multiple of 64, beta up to 2,
+    an initial state; packed documents with keys drawn around one direction."""
+    x = rule_inputs(fresh_key(), B=1, T=150, H=2, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0,
+                    with_initial_state=True, packed=case != "plain")
+    if case != "plain":
+        k = x["k"].astype(jnp.float32)
+        k = k[:, :1] + 0.1 * k
+        x["k"] = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+    _compare(x)
+
+
+def test_other_head_dims_refuse_what_the_kernel_does_not_take():
+    x = rule_inputs(fresh_key(), B=1, T=64, H=1, K=64, V=64, dtype=jnp.bfloat16)
+    _, _, _, res = _residuals(x, x["v"], jax.random.normal(fresh_key(), (1, 1, 64, 64), jnp.float32))
+    t_pair = jax.random.normal(fresh_key(), (2, 1, 64, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="u None .* takes V = 128, got V=64"):
+        mosaic_wy_grads.grads(*res[:11], None, res[12], scale=SCALE, segmented=False, interpret=True, t_pair=t_pair)
+    wide = {name: jnp.zeros(res[i].shape[:-1] + (256,), res[i].dtype) for i, name in ((0, "q"), (1, "k"))}
+    with pytest.raises(ValueError, match=r"K and V must each be one of \(64, 128\), got K=256, V=64"):
+        mosaic_wy_grads.grads(wide["q"], wide["k"], *res[2:], scale=SCALE, segmented=False, interpret=True)
+
+
 H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
                     abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
                                                    platform="gpu"))
 
 
 @pytest.mark.parametrize("segmented", [False, True])
-@pytest.mark.parametrize("u_from_t", [False, True])
-def test_lowers_for_cuda(segmented, u_from_t):
+@pytest.mark.parametrize("u_from_t,K,V", [(False, D, D), (True, D, D), (False, 64, 64), (False, 64, 128),
+                                          (False, 128, 64), (True, 64, 128)])
+def test_lowers_for_cuda(segmented, u_from_t, K, V):
     """Catches what the interpreter accepts but Mosaic GPU cannot lower (layouts, wgmma operands, transposed
     views, the barriers of the two warpgroups, which the interpreter runs in turn)."""
     B, Tp, H = 1, 192, 2
     nt = Tp // 64
     S = jax.ShapeDtypeStruct
-    key, value, state = S((B, Tp, H, D), jnp.bfloat16), S((B, Tp, H, D), jnp.float32), S((B, H, nt * D, D),
+    key, value, state = S((B, Tp, H, K), jnp.bfloat16), S((B, Tp, H, V), jnp.float32), S((B, H, nt * K, V),
                                                                                          jnp.bfloat16)
-    args = (key, key, key, S((B, Tp, H), jnp.float32), S((2, B, Tp, H), jnp.float32), S((B, Tp), jnp.int32),
-            S((B, Tp), jnp.float32), S((B, Tp), jnp.float32), state, state, key, value, value)
+    values = S((B, Tp, H, V), jnp.bfloat16)
+    args = (key, key, values, S((B, Tp, H), jnp.float32), S((2, B, Tp, H), jnp.float32), S((B, Tp), jnp.int32),
+            S((B, Tp), jnp.float32), S((B, Tp), jnp.float32), state, state, values, value, value)
     t_pair = S((2, B, Tp, H, 64), jnp.bfloat16)
     fn = jax.jit(lambda *a: mosaic_wy_grads.grads(*a[:11], None if u_from_t else a[11], a[12], scale=SCALE,
                                                   segmented=segmented, interpret=False, t_pair=a[13]))
@@ -156,3 +186,10 @@ def test_lowers_for_cuda(segmented, u_from_t):
 def test_gpu_matches_the_triton_kernel(packed, u_from_t):
     _compare(rule_inputs(fresh_key(), B=2, T=1000, H=4, K=D, V=D, dtype=jnp.bfloat16, beta_max=2.0, packed=packed,
                          with_initial_state=True), u_from_t)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
+def test_gpu_other_head_dims_match_the_triton_kernel(K, V):
+    _compare(rule_inputs(fresh_key(), B=2, T=1000, H=4, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
+                         with_initial_state=True))

@@ -377,7 +377,7 @@ def test_unsupported_arguments_raise(change, argument):
 
 
 @pytest.mark.parametrize("field", ["lo_accumulators", "state_dots", "inverse_pair", "p_operand", "warpgroups",
-                                   "block_v"])
+                                   "block_v", "grads_warpgroups"])
 def test_unknown_config_values_raise(field):
     with pytest.raises(ValueError, match=f"{field} must be one of"):
         mosaic_wy.Config(**{field: "both"})

@@ -147,9 +147,12 @@ def test_other_head_dims_refuse_what_the_kernel_does_not_take():
     t_pair = jax.random.normal(fresh_key(), (2, 1, 64, 1, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="u None .* takes V = 128, got V=64"):
         mosaic_wy_grads.grads(*res[:11], None, res[12], scale=SCALE, segmented=False, interpret=True, t_pair=t_pair)
-    wide = {name: jnp.zeros(res[i].shape[:-1] + (256,), res[i].dtype) for i, name in ((0, "q"), (1, "k"))}
+    wide = {name: jax.random.normal(fresh_key(), res[i].shape[:-1] + (256,), res[i].dtype)
+            for i, name in ((0, "q"), (1, "k"))}
     with pytest.raises(ValueError, match=r"K and V must each be one of \(64, 128\), got K=256, V=64"):
         mosaic_wy_grads.grads(wide["q"], wide["k"], *res[2:], scale=SCALE, segmented=False, interpret=True)
+    with pytest.raises(ValueError, match="warpgroups must be 1 .* or 2 .*, got 4"):
+        mosaic_wy_grads.grads(*res, scale=SCALE, segmented=False, interpret=True, warpgroups=4)
 
 
 H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),

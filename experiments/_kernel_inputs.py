@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 
 
-def kernel_inputs(B, T, H, D, *, per_channel=False, seed=0):
+def kernel_inputs(B, T, H, D, *, per_channel=False, seed=0, value_dim=None):
+    """q, k (B, T, H, D), v (B, T, H, value_dim or D), beta, log_decay."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 6)
     q = jax.random.normal(ks[0], (B, T, H, D)).astype(jnp.bfloat16)
     k = jax.random.normal(ks[1], (B, T, H, D))
     k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16)
-    v = jax.random.normal(ks[2], (B, T, H, D)).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, T, H, value_dim or D)).astype(jnp.bfloat16)
     beta = jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H)))
     gates = (B, T, H, D) if per_channel else (B, T, H)
     log_decay = jax.nn.log_sigmoid(jax.random.normal(ks[4], gates) + 3.0)

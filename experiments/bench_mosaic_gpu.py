@@ -8,7 +8,7 @@ Columns (ms, marginal device time per call, `_timing.marginal_ms`): the chunk-pa
 the Triton inverse, the per-token vectors), the Mosaic pass alone, the whole forward, and the Triton forward. With
 --error_size, the relative errors of o and of the final state against the fp32 scan on the same bf16 inputs
 (with the config timed at each size).
-bf16 q/k/v, K = V = D (128, or 64: the Mosaic forward pass with the Triton backward), Hv = H, scalar decay, no
+bf16 q/k/v, K = V = D or K = D and V apart (sizes BxTxHxKxV; each of 64, 128 or 256), Hv = H, scalar decay, no
 documents, no initial state.
 """
 
@@ -29,16 +29,17 @@ from _kernel_inputs import kernel_inputs  # experiments/
 from _mosaic_calls import training_step_cells  # experiments/
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (D in mosaic_wy.HEAD_DIMS).")
+flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD (K = V = D) or BxTxHxKxV sizes (each in mosaic_wy.HEAD_DIMS).")
 flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
 flags.DEFINE_integer("iters", 20, "Calls per timing queue (`marginal_ms`).")
 flags.DEFINE_string("error_size", "", "BxTxHxD where each variant's error against the fp32 scan is measured.")
 flags.DEFINE_bool("triton", True, "Also time the Triton forward on the same inputs.")
 flags.DEFINE_bool("residuals", False, "Also time the forward as differentiation runs it (`jax.vjp`: the outputs and "
                   "the residuals of the backward), for the variant and for the Triton path.")
+flags.DEFINE_bool("pieces", True, "Time the pass's inputs and the pass alone (else '-' in those columns).")
 flags.DEFINE_bool("fwd_bwd", False, "Also time forward+backward (the gradients of sum(o) + sum(final state)).")
 
-# Each variant overrides fields of `mosaic_wy.default_config(batch_heads=B * H, key_dim=D, value_dim=D)`.
+# Each variant overrides fields of `mosaic_wy.default_config(batch_heads=B * H, key_dim=K, value_dim=V)`.
 VARIANTS = {
     "default": {},
     "separate": dict(lo_accumulators="separate"),
@@ -77,12 +78,12 @@ VARIANTS = {
 }
 
 
-def inputs(B, T, H, D, seed=0):
-    return kernel_inputs(B, T, H, D, per_channel=False, seed=seed)
+def inputs(B, T, H, D, seed=0, V=None):
+    return kernel_inputs(B, T, H, D, per_channel=False, seed=seed, value_dim=V)
 
 
-def config_of(name, batch_heads, D):
-    base = mosaic_wy.default_config(batch_heads=batch_heads, key_dim=D, value_dim=D)
+def config_of(name, batch_heads, D, V=None):
+    base = mosaic_wy.default_config(batch_heads=batch_heads, key_dim=D, value_dim=V or D)
     return dataclasses.replace(base, **VARIANTS[name])
 
 
@@ -95,7 +96,7 @@ def pieces(cfg, B, T, H, D, q, k, v, beta, log_decay):
     """(inputs of the pass, the pass) as jitted functions of the padded-free inputs (T a multiple of 64)."""
     doc = jnp.zeros((B, T), jnp.int32)
     ones = jnp.ones((B, T), jnp.float32)
-    h0 = jnp.zeros((B, H, D, D), jnp.float32)
+    h0 = jnp.zeros((B, H, D, v.shape[-1]), jnp.float32)
     prepare = jax.jit(lambda q, k, b, g: mosaic_wy._pass_inputs(cfg, q, k, b, g, doc, ones, ones, scale=D ** -0.5,
                                                                 segmented=False, interpret=False))
     run = jax.jit(lambda q, k, v, t, vec, d, surv: mosaic_wy._forward_pass(
@@ -132,8 +133,9 @@ def main(argv):
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
     ms = lambda fn, *a: timing.marginal_ms(fn, *a, iters=FLAGS.iters)
     for size in FLAGS.sizes:
-        B, T, H, D = (int(x) for x in size.split("x"))
-        q, k, v, beta, log_decay = inputs(B, T, H, D)
+        B, T, H, D, *value_dim = (int(x) for x in size.split("x"))
+        V = value_dim[0] if value_dim else D
+        q, k, v, beta, log_decay = inputs(B, T, H, D, V=V)
         triton, triton_residuals = "-", "-"
         triton_call = lambda *a: deltajax.gated_deltanet(*a, scale=D ** -0.5, impl="pallas")
         if FLAGS.triton:
@@ -142,12 +144,14 @@ def main(argv):
             triton_residuals = f"{ms(with_residuals(triton_call), q, k, v, beta, log_decay):.3f}"
         for name in FLAGS.variants:
             try:
-                cfg = config_of(name, B * H, D)
-                prepare, run = pieces(cfg, B, T, H, D, q, k, v, beta, log_decay)
-                pass_inputs = prepare(q, k, beta, log_decay)
-                cells = [ms(prepare, q, k, beta, log_decay), ms(run, q, k, v, *pass_inputs),
-                         ms(forward(cfg, D), q, k, v, beta, log_decay)]
-                row = [size, name] + [f"{c:.3f}" for c in cells] + [triton]
+                cfg = config_of(name, B * H, D, V)
+                cells = ["-", "-"]
+                if FLAGS.pieces:
+                    prepare, run = pieces(cfg, B, T, H, D, q, k, v, beta, log_decay)
+                    pass_inputs = prepare(q, k, beta, log_decay)
+                    cells = [f"{ms(prepare, q, k, beta, log_decay):.3f}", f"{ms(run, q, k, v, *pass_inputs):.3f}"]
+                cells.append(f"{ms(forward(cfg, D), q, k, v, beta, log_decay):.3f}")
+                row = [size, name] + cells + [triton]
                 if FLAGS.residuals:
                     call = lambda *a: mosaic_wy.chunk_wy_mosaic(*a, scale=D ** -0.5, initial_state=None,
                                                                 segment_ids=None, config=cfg)

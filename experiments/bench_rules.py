@@ -2,14 +2,15 @@
 
     python experiments/bench_rules.py --rule=gated_deltanet --sizes=2x512x4x64 --impls=scan,chunk,chunk_assoc
 
-Each size is BxTxHxD (K = V = D, as many value heads as key heads) or BxTxHxDxHv (Hv value heads, a multiple of
-the H key heads: groups of Hv/H value heads share a key head's q and k). Times are device time per call
-(`--timing=marginal`, `_timing.marginal_ms`): queues of --iters and 3 x --iters calls, each queued back to back
-and waited for once, per call (t(3n) - t(n)) / 2n, median of 5 such pairs, after --warmup runs. That is the
-device's time for one more call, what a long training loop sees and what `triton.testing.do_bench` reports for the
-PyTorch/Triton peer (CUDA events around each call). `--timing=pipelined` is one queue's time per call (it spreads
-the queue's start and final wait over its n calls; the method of earlier tables), `--timing=each` the median of
-calls each waited for with block_until_ready (adds the host's dispatch and wait, 0.1-0.4 ms per call on the H100).
+Each size is BxTxHxD (K = V = D, as many value heads as key heads) or BxTxHxDxHv (Hv value heads, a multiple of the
+H key heads: groups of Hv/H value heads share a key head's q and k); --value_dim sets V apart from D (= K). Times
+are device time per call (`--timing=marginal`, `_timing.marginal_ms`): queues of --iters and 3 x --iters calls, each
+queued back to back and waited for once, per call (t(3n) - t(n)) / 2n, median of 5 such pairs, after --warmup runs.
+That is the device's time for one more call, what a long training loop sees and what `triton.testing.do_bench`
+reports for the PyTorch/Triton peer (CUDA events around each call). `--timing=pipelined` is one queue's time per
+call (it spreads the queue's start and final wait over its n calls; the method of earlier tables), `--timing=each`
+the median of calls each waited for with block_until_ready (adds the host's dispatch and wait, 0.1-0.4 ms per call
+on the H100).
 The memory floor counts reading q, k, v, beta and the log-decay once
 and writing o and the final state once, over --bandwidth_gbs. Forward+backward differentiates a sum of squares of o
 with respect to every floating input (q, k, v, beta, log-decay). "vs chunk" is the XLA chunk form's time over this
@@ -39,6 +40,7 @@ flags.DEFINE_list("sizes", ["2x512x4x64", "1x2048x4x64"], "BxTxHxD or BxTxHxDxHv
 flags.DEFINE_list("impls", ["scan", "chunk", "chunk_assoc"],
                   "Implementations: scan, chunk, chunk_assoc (chunk with associative state passing), or any "
                   "registered kernel name (e.g. pallas).")
+flags.DEFINE_integer("value_dim", 0, "V when it differs from D (D is then K only); 0: V = D.")
 flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16", "float16"], "Input dtype.")
 flags.DEFINE_integer("warmup", 2, "Untimed runs before timing.")
 flags.DEFINE_integer("iters", 10, "Calls per timed queue (marginal: queues of iters and 3 iters, median of 5 "
@@ -56,13 +58,13 @@ flags.DEFINE_bool("peak_memory", False, "Print the device's peak memory in use a
                   "a queue of calls keeps every call's outputs alive, which would count in the peak).")
 
 
-def make_inputs(rule, B, T, H, D, dtype, seed=0, Hv=None):
-    Hv = Hv or H
+def make_inputs(rule, B, T, H, D, dtype, seed=0, Hv=None, V=None):
+    Hv, V = Hv or H, V or D
     keys = jax.random.split(jax.random.PRNGKey(seed), 6)
     q = jax.random.normal(keys[0], (B, T, H, D), jnp.float32)
     k = jax.random.normal(keys[1], (B, T, H, D), jnp.float32)
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    v = jax.random.normal(keys[2], (B, T, Hv, D), jnp.float32)
+    v = jax.random.normal(keys[2], (B, T, Hv, V), jnp.float32)
     beta = jax.nn.sigmoid(jax.random.normal(keys[3], (B, T, Hv)))
     if rule == "gated_deltanet":
         log_decay = jax.nn.log_sigmoid(jax.random.normal(keys[4], (B, T, Hv)) + 3.0)
@@ -86,15 +88,15 @@ def rule_fn(rule, impl):
     return fn
 
 
-def floor_bytes(B, T, H, D, dtype, rule, Hv=None):
+def floor_bytes(B, T, H, D, dtype, rule, Hv=None, V=None):
     """q and k (H heads), v and o (Hv), the per-token gates and the final state, each once."""
-    Hv = Hv or H
+    Hv, V = Hv or H, V or D
     item = jnp.dtype(dtype).itemsize
     tokens = B * T * Hv
     gates = tokens * 4 * (2 if rule != "linear_attention" else 0)
     if rule == "kda":
         gates += tokens * D * 4
-    return 2 * B * T * H * D * item + 2 * tokens * D * item + gates + B * Hv * D * D * 4
+    return 2 * B * T * H * D * item + 2 * tokens * V * item + gates + B * Hv * D * V * 4
 
 
 def main(argv):
@@ -112,15 +114,17 @@ def main(argv):
     print(f"# chunk form: inverse={FLAGS.chunk_inverse}, precision={FLAGS.chunk_precision}; timing: "
           + {"marginal": "device time of one more call in a queue (t(3n) - t(n)) / 2n",
              "pipelined": "a queue's time per call", "each": "each call waited for"}[FLAGS.timing])
-    print(f"# {FLAGS.rule}, {dtype.name}, {device.platform}: {device.device_kind}, jax {jax.__version__}")
+    print(f"# {FLAGS.rule}, {dtype.name}, {device.platform}: {device.device_kind}, jax {jax.__version__}"
+          + (f", V = {FLAGS.value_dim}" if FLAGS.value_dim else ""))
     print("| impl | BxTxHxD[xHv] | fwd ms | fwd+bwd ms | fwd GB/s | floor / fwd | vs chunk (fwd / fwd+bwd) |"
           + (" peak GiB |" if FLAGS.peak_memory else ""))
     print("|---|---|---|---|---|---|---|" + ("---|" if FLAGS.peak_memory else ""))
     for size in FLAGS.sizes:
         B, T, H, D, *value_heads = (int(x) for x in size.split("x"))
         Hv = value_heads[0] if value_heads else H
-        args = make_inputs(FLAGS.rule, B, T, H, D, dtype, Hv=Hv)
-        total_bytes = floor_bytes(B, T, H, D, dtype, FLAGS.rule, Hv=Hv)
+        V = FLAGS.value_dim or D
+        args = make_inputs(FLAGS.rule, B, T, H, D, dtype, Hv=Hv, V=V)
+        total_bytes = floor_bytes(B, T, H, D, dtype, FLAGS.rule, Hv=Hv, V=V)
         floor_ms = total_bytes / (FLAGS.bandwidth_gbs * 1e9) * 1e3
         chunk_times = None
         for impl in FLAGS.impls:

@@ -7,18 +7,20 @@ K and V in `HEAD_DIMS`, chunk size 64 and at most `MAX_BATCH_HEADS` batch x valu
 grid axis). Everything else (beta in [0, 2], Hv a multiple of H, initial state, segment ids, any T) is handled.
 
 KDA (the delta rule with a log-decay per key channel, `kda.py`) has its own predicate, `supports_kda`: the GPU
-backend, log_decay [B, T, Hv, K], bfloat16 (as above; float32 interprets and lowers), K and V in `KDA_HEAD_DIMS`,
-chunk size 64, at most `MAX_BATCH_HEADS` batch x value-head pairs. For the delta rule the registered function
-(`chunked_delta_rule`) routes on the shape of log_decay and the registered predicate accepts what either accepts.
+backend, log_decay [B, T, Hv, K], bfloat16 (as above; float32 interprets and lowers), K and V in `KDA_HEAD_DIMS`
+(256 in bfloat16 only), chunk size 64, at most `MAX_BATCH_HEADS` batch x value-head pairs. For the delta rule the
+registered function (`chunked_delta_rule`) routes on the shape of log_decay and the registered predicate accepts
+what either accepts.
 
 "mosaic" (`mosaic_wy.py`, `mosaic_wy_grads.py`, Hopper only) is the Gated DeltaNet with its sequential forward and
-reverse passes (from 32 value heads per call; the Triton ones below) and its chunk-parallel gradient kernel in
-Mosaic GPU; the gates and per-token vectors around them are two small Triton kernels (`mosaic_vectors.py`).
-`supports_mosaic`: the GPU backend on a compute capability 9.x device, the delta rule with no or a scalar decay,
-bfloat16 q/k/v, K and V of 64, 128 or 256 (the gradient kernel in Mosaic GPU at K = V = 128, Triton's at the
-others), Hv a multiple of H, chunk size 64. For KDA (`supports_mosaic_kda`: what `supports_kda` takes, bfloat16,
-K and V of 64 or 128, on Hopper) "mosaic" runs the KDA kernels with `kda.mosaic_config`, whose forward and reverse
-passes are the Mosaic GPU ones (`mosaic_kda.py`) from 64 value heads per call. "auto" prefers "mosaic" over
+reverse passes (from `mosaic_wy.mosaic_forward_min_batch_heads` value heads per call, by head dims; the Triton
+ones below) and its chunk-parallel gradient kernel in Mosaic GPU; the gates and per-token vectors around them are two
+small Triton kernels (`mosaic_vectors.py`). `supports_mosaic`: the GPU backend on a compute capability 9.x device,
+the delta rule with no or a scalar decay, bfloat16 q/k/v, K and V of 64, 128 or 256 (the gradient kernel in Mosaic
+GPU at K and V of 64 or 128, Triton's where either is 256), Hv a multiple of H, chunk size 64. For KDA
+(`supports_mosaic_kda`: what `supports_kda` takes, bfloat16, K of 64 or 128, V of 64, 128 or 256, on Hopper)
+"mosaic" runs the KDA kernels with `kda.mosaic_config`, whose forward and reverse passes are the Mosaic GPU ones
+(`mosaic_kda.py`) from 64 value heads per call (KDA at K = 256 goes to "pallas"). "auto" prefers "mosaic" over
 "pallas" (`MOSAIC_PRIORITY`): measured as fast or faster forward and forward+backward at every size timed
 (docs/benchmarks.md).
 
@@ -43,7 +45,9 @@ HEAD_DIMS = (64, 128, 256)
 CHUNK_SIZES = (64,)
 MAX_BATCH_HEADS = 65535
 KDA_DTYPES = ("bfloat16", "float32")
-KDA_HEAD_DIMS = (64, 128)  # lowered for CUDA; larger K puts a K x 64 fp32 state block in registers
+# K and V each; 256 for bfloat16 inputs only (`kda.WIDE_HEAD_DIM_MIN`). At K = 256 the passes take state blocks of
+# 16 columns and one pipeline stage (`kda.default_config`).
+KDA_HEAD_DIMS = (64, 128, 256)
 
 
 def supports(call: dispatch.RuleCall) -> bool:
@@ -67,6 +71,8 @@ def supports_kda(call: dispatch.RuleCall) -> bool:
     if call.dtype not in KDA_DTYPES or call.chunk_size not in CHUNK_SIZES:
         return False
     if call.key_dim not in KDA_HEAD_DIMS or call.value_dim not in KDA_HEAD_DIMS:
+        return False
+    if max(call.key_dim, call.value_dim) >= kda.WIDE_HEAD_DIM_MIN and call.dtype != "bfloat16":
         return False
     if call.key_heads < 1 or call.value_heads % call.key_heads or call.batch < 1 or call.seq_len < 1:
         return False
@@ -100,10 +106,10 @@ def supports_mosaic(call: dispatch.RuleCall) -> bool:
 
 def supports_mosaic_kda(call: dispatch.RuleCall) -> bool:
     """KDA with its sequential passes in Mosaic GPU (`kda.mosaic_config`, `mosaic_kda.py`): what `supports_kda`
-    accepts, bfloat16, K and V of 64 or 128, on Hopper."""
+    accepts, bfloat16, K of 64 or 128, V of 64, 128 or 256, on Hopper."""
     if not supports_kda(call) or call.dtype != "bfloat16":
         return False
-    if call.key_dim not in mosaic_kda.HEAD_DIMS or call.value_dim not in mosaic_kda.HEAD_DIMS:
+    if call.key_dim not in mosaic_kda.KEY_DIMS or call.value_dim not in mosaic_kda.VALUE_DIMS:
         return False
     return hopper_compute_capability()
 

@@ -58,8 +58,9 @@ the index maps, never a repeated copy):
   start states), then `_output_kernel`, grid (V/BV_out, chunks, B*Hv), (4) and (5) from the saved start states;
   the undifferentiated forward alone runs so with fp32 start states where the passes take V blocks of 16
   (`Config.primal_forward`, default there).
-  With `Config.pass_backend="mosaic"` (Hopper, bf16, K = V = 128; `mosaic_config`): the same pass in Mosaic GPU
-  (`mosaic_kda.py`), reading T and P as bf16 (hi, lo) pairs, which prepare then writes and the reverse pass reads.
+  With `Config.pass_backend="mosaic"` (Hopper, bf16, K of 64 or 128, V up to 256; `mosaic_config`): the same pass
+  in Mosaic GPU (`mosaic_kda.py`), reading T and P as bf16 (hi, lo) pairs, which prepare then writes and the
+  reverse pass reads.
 - `_reverse_kernel`, grid (V/BV, B*Hv): the same loop backwards carrying dL/dS; writes every chunk's end-state
   cotangent, dL/d(initial_state) and (`Config.grads_from_passes`) dx = dL/d(beta y) as a bf16 pair.
 - `_grad_v_kernel`, grid (chunks, B*Hv): the V contractions of one chunk, chunk-parallel, from the saved start
@@ -183,6 +184,10 @@ SPAN_LIMIT = 30.0
 STATE_STORAGES = ("fp32", "bf16")
 PASS_BACKENDS = ("triton", "mosaic")
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
+# Compiled (not interpreted), padded K or V above this take bfloat16 inputs only: at K = V = 256 with float32 inputs
+# a gradient kernel asked 264 KiB of shared memory (227 KiB on Hopper; H200, 2026-12-04), and float16 there was
+# never run. The interpreter takes every INPUT_DTYPES up to MAX_HEAD_DIM.
+WIDE_HEAD_DIM_MIN = 256
 
 __all__ = ["CHUNK_SIZES", "CUMSUM_METHODS", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM",
            "OPERAND_METHODS", "PREPARE_METHODS", "STATE_STORAGES", "Config", "default_config", "kda_chunk"]
@@ -249,8 +254,8 @@ class Config:
     # nor (E (.) K) dS_end, in its loop; T and P are not kept in its registers).
     grads_from_passes: bool = False
     # The forward pass's kernel (PASS_BACKENDS): "triton" (`_forward_kernel`) or "mosaic", the same pass in Mosaic GPU
-    # on Hopper (`mosaic_kda.forward_pass`: bf16 inputs, K = V = 128, stored operands, plain bf16 state products),
-    # with state blocks of `mosaic_block_v` columns.
+    # on Hopper (`mosaic_kda.forward_pass`: bf16 inputs, K of 64 or 128, V up to 256, stored operands, plain bf16
+    # state products), with state blocks of `mosaic_block_v` columns.
     pass_backend: str = "triton"
     mosaic_block_v: int = 64
     mosaic_shared_head: bool = False  # one CTA per value head (`mosaic_kda._body_shared_head`; V blocks of 64)
@@ -1964,7 +1969,7 @@ MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS = 128
 
 def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
     """`default_config` with the forward and reverse passes in Mosaic GPU where they apply
-    (`mosaic_kda.check_supported`: bf16, K = V = 128, chunk 64) and the call has at least
+    (`mosaic_kda.check_supported`: bf16, K of 64 or 128, V of 64, 128 or 256, chunk 64) and the call has at least
     `MOSAIC_PASS_MIN_BATCH_HEADS` value heads (from `MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS` with one CTA per value
     head in the forward pass); the Triton kernels otherwise. The config of the dispatch's "mosaic" implementation
     for KDA."""
@@ -2045,6 +2050,9 @@ def kda_chunk(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, ch
     nt = -(-T // C)
     pad = nt * C - T
     Kp, Vp = _pow2_at_least_16(K), _pow2_at_least_16(V)
+    if not interpret and max(Kp, Vp) >= WIDE_HEAD_DIM_MIN and jnp.dtype(q.dtype) != BF16:
+        raise ValueError(f"compiled, K or V above {WIDE_HEAD_DIM_MIN // 2} needs bfloat16 q/k/v (float32 tiles "
+                         f"exceed shared memory), got {jnp.dtype(q.dtype).name} with K={K}, V={V}")
     cfg = config or default_config(q, v, scale=scale, chunk_size=C, segmented=segment_ids is not None,
                                    interpret=interpret)
     # Padded tokens have k = v = 0, beta = 0 and no decay: they leave the state unchanged. Padded channels have

@@ -22,7 +22,8 @@ S[:, BV j : BV (j+1)] of value head bh and walks the chunks in order, the inputs
 `plgpu.emit_pipeline` (TMA). SMEM at BV = 64: one pipeline stage of 5 C x K operand tiles, the T and P pairs, v and
 the vectors (120.8 KiB), S's pair, the operand pairs of diag(beta) y and u and the output tile (72 KiB): 193 KiB,
 so one stage (two would ask 314 KiB). `_body_shared_head`: one CTA per value head, a producer and two consumer
-warpgroups (its docstring). Supported: K and V of 64 or 128, C = 64, bf16 inputs (`check_supported`).
+warpgroups (its docstring), where V = 2 BV. Supported: K of 64 or 128, V of 64, 128 or 256, C = 64, bf16 inputs
+(`check_supported`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ from deltajax.kernels.gpu.common import split_bf16_in_xla
 
 F32, BF16 = mc.F32, mc.BF16
 CHUNK = 64
-HEAD_DIMS = (64, 128)  # K and V, each
+# K: the C x K operand tiles of a pipeline stage take most of the SMEM (at K = 256 even one stage of them with the T
+# and P pairs would not fit beside the state's tiles). V only sets the grid: V / BV CTAs per head.
+KEY_DIMS = (64, 128)
+VALUE_DIMS = (64, 128, 256)
 BLOCK_VS = (32, 64)
 STAGES = 1  # chunks in flight in the TMA pipeline: two stages do not fit SMEM (module docstring)
 PRODUCER_REGISTERS = 40  # per thread of the shared-head kernel's producer warpgroup; the consumers get 232
@@ -49,8 +53,9 @@ OUTPUT_DOTS = ("split", "bf16")
 
 def check_supported(*, key_dim, value_dim, chunk_size, dtype, block_v, output_dots):
     """Raises ValueError naming what the Mosaic pass does not take."""
-    if key_dim not in HEAD_DIMS or value_dim not in HEAD_DIMS:
-        raise ValueError(f"the Mosaic KDA pass takes K and V in {HEAD_DIMS}, got K={key_dim}, V={value_dim}")
+    if key_dim not in KEY_DIMS or value_dim not in VALUE_DIMS:
+        raise ValueError(f"the Mosaic KDA pass takes K in {KEY_DIMS} and V in {VALUE_DIMS}, got K={key_dim}, "
+                         f"V={value_dim}")
     if chunk_size != CHUNK:
         raise ValueError(f"the Mosaic KDA pass takes chunk_size {CHUNK}, got {chunk_size}")
     if jnp.dtype(dtype) != BF16:

@@ -86,13 +86,18 @@ SM_COUNT = 132  # H100 SXM and H200
 # `bench_mosaic_reverse.py`, H100, 2026-11-26 23:57), Mosaic / Triton: 128 heads 0.237 / 0.416 ms, 32 heads
 # 0.431 / 0.690, 16 heads 1.631 / 1.570.
 MOSAIC_FORWARD_MIN_BATCH_HEADS = 32
-# The same threshold by key dim (`mosaic_forward_min_batch_heads`). H200, 2026-12-04, `bench_mosaic_gpu.py --fwd_bwd`,
-# forward / forward+backward ms with the Mosaic passes against the Triton passes (K = V each time): K = 64, 16 heads
-# (1x32768x16) 1.588 / 4.070 against 1.028 / 2.618, 32 heads (2x8192x16) 0.464 / 1.194 against 0.367 / 0.912, 128
-# heads (8x2048x16, `bench_rules.py`, Triton gradient kernels) 0.227 / 0.811 against 0.309 / 0.896; K = 256, 16 heads
-# 2.703 / 12.080 against 3.495 / 14.250, 32 heads 1.390 / 6.080 against 1.725 / 6.221. Where only K differs, V's share
-# was not measured.
-MOSAIC_FORWARD_MIN_BATCH_HEADS_BY_KEY_DIM = {64: 128, 128: MOSAIC_FORWARD_MIN_BATCH_HEADS, 256: 16}
+# The same threshold by (K, V) (`mosaic_forward_min_batch_heads`): the fewest value heads per call from which the
+# Mosaic passes' forward+backward measured faster than the Triton passes' (H200, 2026-12-04, `bench_mosaic_gpu.py
+# --fwd_bwd --variants=triton_passes,mosaic_passes` at 1x32768x16, 2x8192x16, 4x4096x16, 8x2048x16: 16 to 128
+# heads; docs/benchmarks.md, "KDA at head dims of 256, and the Mosaic passes' head-count thresholds ..."). At the
+# next smaller count timed the Triton passes measured faster, and at (256, 64) at both 16 and 32 heads (64 not
+# timed). The training step sets these: the Mosaic forward alone wins from fewer heads at some dims (V = 256 at 32
+# heads).
+MOSAIC_FORWARD_MIN_BATCH_HEADS_BY_DIMS = {
+    (64, 64): 128, (64, 128): 64, (64, 256): 64,
+    (128, 64): 128, (128, 128): MOSAIC_FORWARD_MIN_BATCH_HEADS, (128, 256): 64,
+    (256, 64): 64, (256, 128): 32, (256, 256): 16,
+}
 MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline by default (`Config.stages`)
 # Calls with at least this many value heads (B * Hv) run one CTA per head (`Config.warpgroups=2`). On the H100
 # (2026-11-26): 128 heads (8x2048x16), pass 0.314 -> 0.237 ms; 32 heads (2x8192x16), 0.583 -> 0.831 ms, 16 heads
@@ -185,9 +190,9 @@ def default_config(interpret=False, batch_heads=None, key_dim=HEAD_DIM, value_di
     registers, which the interpreter cannot run, so there P goes through SMEM. With at least
     `SHARED_HEAD_MIN_BATCH_HEADS` value heads in the call (B * Hv), one CTA per head with two consumer warpgroups;
     with few enough that V/32 CTAs per head fit one wave on `SM_COUNT` SMs, state blocks of 32 columns. Below
-    `mosaic_forward_min_batch_heads(key_dim)` heads, the Triton forward pass (faster there). Head dims other than
-    K = V = 128 (`HEAD_DIMS`): one warpgroup per CTA, the Mosaic gradient kernel at K and V of 64 or 128 and the
-    Triton ones at 256 (`check_config`), at K = 256 state blocks of at most 32 columns."""
+    `mosaic_forward_min_batch_heads(key_dim, value_dim)` heads, the Triton passes (faster there). Head dims other
+    than K = V = 128 (`HEAD_DIMS`): one warpgroup per CTA, the Mosaic gradient kernel at K and V of 64 or 128 and
+    the Triton ones at 256 (`check_config`), at K = 256 state blocks of at most 32 columns."""
     full = key_dim == value_dim == HEAD_DIM
     grad_dims = mosaic_wy_grads.HEAD_DIMS
     other_dims = {} if full or (key_dim in grad_dims and value_dim in grad_dims) else dict(grads="triton")
@@ -197,7 +202,7 @@ def default_config(interpret=False, batch_heads=None, key_dim=HEAD_DIM, value_di
         return Config(p_operand="smem", **other_dims)
     if batch_heads is None:
         return Config(**other_dims)
-    mosaic_passes = batch_heads >= mosaic_forward_min_batch_heads(key_dim)
+    mosaic_passes = batch_heads >= mosaic_forward_min_batch_heads(key_dim, value_dim)
     passes = dict(mosaic_forward=mosaic_passes, mosaic_reverse=mosaic_passes, **other_dims)
     if full and batch_heads >= SHARED_HEAD_MIN_BATCH_HEADS:
         return Config(warpgroups=2, **passes)
@@ -206,9 +211,9 @@ def default_config(interpret=False, batch_heads=None, key_dim=HEAD_DIM, value_di
     return Config(**passes)
 
 
-def mosaic_forward_min_batch_heads(key_dim):
-    """The value heads per call (B * Hv) from which the default config runs the Mosaic passes at this key dim."""
-    return MOSAIC_FORWARD_MIN_BATCH_HEADS_BY_KEY_DIM[key_dim]
+def mosaic_forward_min_batch_heads(key_dim, value_dim):
+    """The value heads per call (B * Hv) from which the default config runs the Mosaic passes at these head dims."""
+    return MOSAIC_FORWARD_MIN_BATCH_HEADS_BY_DIMS[key_dim, value_dim]
 
 
 def check_config(cfg, key_dim, value_dim):

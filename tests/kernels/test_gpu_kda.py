@@ -370,6 +370,17 @@ def test_split_forward_bf16_in_interpreter():
     _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label="split-forward-bf16")
 
 
+def test_head_dims_of_256_bf16_in_interpreter():
+    """K = V = 256 as the dispatch runs it for bf16 (state blocks of 16 columns, one pipeline stage, the gradient
+    kernel over two channel halves): outputs, final state and every gradient at the bf16 bounds, T = 70 (a partial
+    chunk), packed documents, an initial state, beta up to 2, two value heads per key head."""
+    x = _round_trip_bf16(_inputs(T=70, B=1, H=1, Hv=2, K=256, V=256))
+    x["scale"] = 256 ** -0.5
+    cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
+    assert (cfg.block_v, cfg.pass_stages, cfg.dots) == (16, 1, "split")
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=lambda *a, **kw: kda_chunk(*a, **kw, config=cfg), label="bf16-256")
+
+
 @pytest.mark.parametrize("batch,heads,V,expected", [(8, 16, 128, 64), (4, 16, 128, 32), (2, 16, 128, 16),
                                                      (1, 16, 128, 16), (1, 1, 16, 16)])
 def test_sequential_block_v_buys_programs_for_few_heads(batch, heads, V, expected):
@@ -830,7 +841,12 @@ def _rule_call(**overrides):
     (dict(dtype="float64"), False),
     (dict(chunk_size=32), False),
     (dict(key_dim=96), False),
-    (dict(key_dim=256), False),
+    (dict(key_dim=256), True),
+    (dict(key_dim=64, value_dim=256), True),
+    (dict(key_dim=256, dtype="float32"), False),  # K or V of 256 in bfloat16 only (`kda.WIDE_HEAD_DIM_MIN`)
+    (dict(value_dim=256, dtype="float32"), False),
+    (dict(key_dim=512), False),
+    (dict(value_dim=512), False),
     (dict(value_dim=32), False),
     (dict(value_heads=3), False),
     (dict(key_heads=0), False),
@@ -955,9 +971,17 @@ def test_passes_pipeline_two_stages_only_where_shared_memory_fits():
     assert config(C=128) == (16, 1)
 
 
+def _supported_dims(dtype):
+    """The (K, V) the dispatch takes for KDA in this dtype (256 in bfloat16 only, `kda.WIDE_HEAD_DIM_MIN`)."""
+    dims = itertools.product(pallas_gpu.KDA_HEAD_DIMS, repeat=2)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return list(dims)
+    return [(K, V) for K, V in dims if max(K, V) < kda_module.WIDE_HEAD_DIM_MIN]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_lowers_for_cuda_every_supported_config(dtype):
-    for K, V in itertools.product(pallas_gpu.KDA_HEAD_DIMS, repeat=2):
+    for K, V in _supported_dims(dtype):
         assert _lower_for_cuda(K, V, jnp.dtype(dtype)) == _expected_kernels(K=K, V=V, dtype=jnp.dtype(dtype)), (
             K, V, dtype)
 
@@ -1012,10 +1036,10 @@ def test_lowers_for_cuda_config_variants(variant):
 
 def test_split_forward_lowers_for_cuda_every_supported_config():
     split = dict(forward="split")
-    for (K, V), dtype in itertools.product(itertools.product(pallas_gpu.KDA_HEAD_DIMS, repeat=2),
-                                           (jnp.bfloat16, jnp.float32)):
-        assert _lower_for_cuda(K, V, dtype, overrides=split) == _expected_kernels(split, K=K, V=V, dtype=dtype), (
-            K, V, dtype)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for K, V in _supported_dims(dtype):
+            expected = _expected_kernels(split, K=K, V=V, dtype=dtype)
+            assert _lower_for_cuda(K, V, dtype, overrides=split) == expected, (K, V, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1031,6 +1055,11 @@ GPU_CASES = [
     (300, False, False, (2, 2), (64, 128)),
     (257, True, True, (1, 2), (128, 64)),
     (200, True, True, (4, 16), (128, 128)),  # 32 value heads: the passes at BV 32 with two stages
+    # Head dims of 256 (state blocks of 16 columns and one pipeline stage at K = 256).
+    (300, True, True, (1, 2), (256, 256)),
+    (130, False, True, (2, 2), (256, 128)),
+    (257, True, False, (1, 2), (128, 256)),
+    (100, True, True, (2, 4), (64, 256)),
 ]
 
 
@@ -1042,6 +1071,17 @@ def test_gpu_bf16_matches_scan(T, packed, init, heads, dims):
     _check(_round_trip_bf16(x), BF16_OUT_TOL, _bf16_grad_tol, label=f"gpu-bf16-T{T}")
 
 
+def test_compiled_wide_heads_refuse_other_dtypes_than_bf16():
+    """Compiled (interpret=False), K or V of 256 takes bfloat16 only (`kda.WIDE_HEAD_DIM_MIN`): the error names the
+    dtype and the dims before any kernel is built. The interpreter takes float32 there."""
+    for K, V, dtype in ((256, 256, jnp.float32), (128, 256, jnp.float32), (256, 64, jnp.float16)):
+        x = _inputs(key=jax.random.PRNGKey(0), T=8, B=1, K=K, V=V)
+        q, k, v = (x[n].astype(dtype) for n in ("q", "k", "v"))
+        with pytest.raises(ValueError, match=rf"needs bfloat16 q/k/v .* got {jnp.dtype(dtype).name} with K={K}, V={V}"):
+            kda_chunk(q, k, v, x["beta"], x["log_decay"], scale=1.0, initial_state=None, segment_ids=None,
+                      interpret=False)
+
+
 @gpu_only
 @pytest.mark.parametrize("T,packed,init,heads,dims", GPU_CASES[:2])
 def test_gpu_fp32_matches_scan(T, packed, init, heads, dims):
@@ -1051,10 +1091,11 @@ def test_gpu_fp32_matches_scan(T, packed, init, heads, dims):
 
 
 @gpu_only
+@pytest.mark.parametrize("D", [128, 256])
 @pytest.mark.parametrize("family", ADVERSARIAL)
-def test_gpu_adversarial_bf16(family):
-    x = _round_trip_bf16(_adversarial(family, B=2, T=500, H=2, Hv=4, K=128, V=128))
-    x["scale"] = 128 ** -0.5
+def test_gpu_adversarial_bf16(family, D):
+    x = _round_trip_bf16(_adversarial(family, B=2, T=500, H=2, Hv=4, K=D, V=D))
+    x["scale"] = D ** -0.5
     _check(x, BF16_OUT_TOL, _bf16_grad_tol, label=f"gpu-{family}")
 
 

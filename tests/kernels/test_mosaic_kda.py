@@ -98,9 +98,9 @@ def test_adversarial_in_interpreter(family, variant):
     _against_triton(x, f"mosaic-{variant}-{family}", **VARIANTS[variant])
 
 
-# K or V of 64 (`mosaic_kda.HEAD_DIMS`), with the layouts each takes: V blocks of 64 or 32 columns, and at V = 128
-# one CTA per head.
-OTHER_HEAD_DIMS = [(64, 64), (64, 128), (128, 64)]
+# K or V of 64, V of 256 (`mosaic_kda.KEY_DIMS`, `VALUE_DIMS`), with the layouts each takes: V blocks of 64 or 32
+# columns, and at V = 128 one CTA per head.
+OTHER_HEAD_DIMS = [(64, 64), (64, 128), (128, 64), (128, 256), (64, 256)]
 
 
 def _other_dims_variants(V):
@@ -109,8 +109,8 @@ def _other_dims_variants(V):
 
 @pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
 def test_other_head_dims_match_scan_and_the_triton_pass_in_interpreter(K, V):
-    """K or V of 64 in every layout: T = 130, packed documents, an initial state, beta up to 2, two value heads per
-    key head. Against the Triton pass the outputs are held to the relative bound of a flipped bf16 operand rounding
+    """K or V of 64, V of 256, in every layout: T = 130, packed documents, an initial state, beta up to 2, two value
+    heads per key head. Against the Triton pass the outputs are held to the relative bound of a flipped bf16 operand rounding
     (as in `test_adversarial_in_interpreter`), not one ulp per element: the layouts run here in one test each."""
     x = _bf16_case(_inputs(T=130, B=1, H=1, Hv=2, K=K, V=V))
     for variant in _other_dims_variants(V):
@@ -119,8 +119,8 @@ def test_other_head_dims_match_scan_and_the_triton_pass_in_interpreter(K, V):
 
 @pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
 def test_other_head_dims_gradients_through_both_mosaic_passes_in_interpreter(K, V):
-    """K or V of 64, both passes in Mosaic GPU (the layout `mosaic_config` picks by head count: one warpgroup per V
-    block of 64): every gradient at the bf16 bounds against the scan, and equal to the gradients through the Triton
+    """K or V of 64, V of 256, both passes in Mosaic GPU (the layout `mosaic_config` picks by head count: one
+    warpgroup per V block of 64): every gradient at the bf16 bounds against the scan, and equal to the gradients through the Triton
     passes up to the 16-bit rounding flips."""
     x = _bf16_case(_inputs(T=130, B=1, H=1, Hv=2, K=K, V=V))
     mosaic = _config(x, pass_backend="mosaic", reverse_backend="mosaic", mosaic_block_v=64)
@@ -277,10 +277,12 @@ def test_unsupported_configs_raise(overrides, match):
 
 
 def test_unsupported_inputs_raise():
-    """K or V other than 64 and 128 and 16-bit inputs other than bf16 are named in the error."""
-    x = _bf16_case(_inputs(T=70, B=1, H=1, Hv=1, K=32, V=D))
-    with pytest.raises(ValueError, match=r"K and V in \(64, 128\), got K=32, V=128"):
-        _call(_fn(_config(x, pass_backend="mosaic")), x)
+    """K other than 64 and 128 (256 included), V other than 64, 128 and 256, and 16-bit inputs other than bf16 are
+    named in the error."""
+    for K, V in ((32, D), (256, D), (D, 32)):
+        x = _bf16_case(_inputs(T=70, B=1, H=1, Hv=1, K=K, V=V))
+        with pytest.raises(ValueError, match=rf"K in \(64, 128\) and V in \(64, 128, 256\), got K={K}, V={V}"):
+            _call(_fn(_config(x, pass_backend="mosaic")), x)
     y = _inputs(T=70, B=1, H=1, Hv=1, K=D, V=D)
     y = dict(y, **{n: y[n].astype(jnp.float16) for n in ("q", "k", "v")}, scale=1.0)
     with pytest.raises(ValueError, match="bfloat16"):  # (fp16's default state products are "split": refused first)
@@ -299,31 +301,39 @@ KDA_CALL = dispatch.RuleCall(op="delta_rule", batch=32, seq_len=100, key_heads=2
 
 
 def test_dispatch_takes_kda_to_mosaic_on_hopper(monkeypatch):
-    """"mosaic" takes KDA calls that `supports_kda` takes in bf16 with K and V of 64 or 128, on Hopper only, and
-    "auto" prefers it there (with few heads its config is the Triton one)."""
+    """"mosaic" takes KDA calls that `supports_kda` takes in bf16 with K of 64 or 128 and V of 64, 128 or 256, on
+    Hopper only, and "auto" prefers it there (with few heads its config is the Triton one). K = 256 goes to
+    "pallas"."""
     monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: True)
     assert pallas_gpu.supports_mosaic_kda(KDA_CALL) and pallas_gpu.supports_mosaic_delta_rule(KDA_CALL)
     for K, V in OTHER_HEAD_DIMS:
         assert pallas_gpu.supports_mosaic_kda(KDA_CALL._replace(key_dim=K, value_dim=V)), (K, V)
     for change in (dict(platform="cpu"), dict(dtype="float32"), dict(dtype="float16"), dict(key_dim=32),
-                   dict(value_dim=256), dict(value_heads=3), dict(chunk_size=32), dict(decay="scalar")):
+                   dict(key_dim=256), dict(key_dim=256, value_dim=256), dict(value_dim=512), dict(value_heads=3),
+                   dict(chunk_size=32), dict(decay="scalar")):
         assert not pallas_gpu.supports_mosaic_kda(KDA_CALL._replace(**change)), change
+    wide_keys = KDA_CALL._replace(key_dim=256)
+    assert pallas_gpu.supports_kda(wide_keys) and dispatch.select("delta_rule", "auto", wide_keys).name == "pallas"
     assert dispatch.select("delta_rule", "auto", KDA_CALL).name == "mosaic"
     monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: False)
     assert not pallas_gpu.supports_mosaic_kda(KDA_CALL)
     assert dispatch.select("delta_rule", "auto", KDA_CALL).name == "pallas"
 
 
-@pytest.mark.parametrize("batch,value_heads,dtype,K,expected,shared_head", [
-    (8, 16, jnp.bfloat16, D, "mosaic", True),  # 128 heads: one CTA per head
-    (4, 16, jnp.bfloat16, D, "mosaic", False),  # 64 heads: the threshold
-    (2, 16, jnp.bfloat16, D, "triton", False),
-    (8, 16, jnp.float32, D, "triton", False),
-    (8, 16, jnp.bfloat16, 64, "mosaic", False),  # K = V = 64: V blocks of 64, no shared head
+@pytest.mark.parametrize("batch,value_heads,dtype,K,V,expected,shared_head", [
+    (8, 16, jnp.bfloat16, D, D, "mosaic", True),  # 128 heads: one CTA per head
+    (4, 16, jnp.bfloat16, D, D, "mosaic", False),  # 64 heads: the threshold
+    (2, 16, jnp.bfloat16, D, D, "triton", False),
+    (8, 16, jnp.float32, D, D, "triton", False),
+    (8, 16, jnp.bfloat16, 64, 64, "mosaic", False),  # K = V = 64: V blocks of 64, no shared head
+    (8, 16, jnp.bfloat16, D, 256, "mosaic", False),  # V = 256: four V blocks of 64 per head
+    (8, 16, jnp.bfloat16, 256, 256, "triton", False),  # K = 256: the Triton passes
 ])
-def test_mosaic_config_takes_the_mosaic_pass_from_the_threshold(batch, value_heads, dtype, K, expected, shared_head):
+def test_mosaic_config_takes_the_mosaic_pass_from_the_threshold(batch, value_heads, dtype, K, V, expected,
+                                                                 shared_head):
     q = jnp.zeros((batch, 64, value_heads, K), dtype)
-    cfg = kda.mosaic_config(q, q, scale=0.1, chunk_size=64, segmented=False, interpret=False)
+    v = jnp.zeros((batch, 64, value_heads, V), dtype)
+    cfg = kda.mosaic_config(q, v, scale=0.1, chunk_size=64, segmented=False, interpret=False)
     assert cfg.pass_backend == expected and cfg.reverse_backend == expected
     assert cfg.mosaic_shared_head == shared_head
     assert kda.MOSAIC_PASS_MIN_BATCH_HEADS == 64 and kda.MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS == 128
@@ -397,8 +407,8 @@ def test_lowers_for_cuda(variant):
 
 @pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
 def test_other_head_dims_lower_for_cuda(K, V):
-    """K or V of 64: the call and its gradient with both Mosaic passes, in each layout, lowered for an abstract
-    H100 (two Mosaic GPU calls in the gradient)."""
+    """K or V of 64, V of 256: the call and its gradient with both Mosaic passes, in each layout, lowered for an
+    abstract H100 (two Mosaic GPU calls in the gradient)."""
     args = _abstract_call(K=K, V=V)
     for variant in _other_dims_variants(V):
         cfg = _abstract_config(args, pass_backend="mosaic", reverse_backend="mosaic", **VARIANTS[variant])
@@ -433,7 +443,7 @@ def test_gpu_matches_scan(T, packed, init, heads, variant):
 @gpu_only
 @pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
 def test_gpu_other_head_dims_match_scan(K, V):
-    """Compiled, K or V of 64, both passes in Mosaic GPU in each layout: outputs, final state and every gradient
+    """Compiled, K or V of 64, V of 256, both passes in Mosaic GPU in each layout: outputs, final state and every gradient
     against the fp32 scan at the bf16 bounds (packed documents, an initial state, T not a multiple of 64)."""
     x = _bf16_case(_inputs(B=2, T=500, H=2, Hv=4, K=K, V=V))
     for variant in _other_dims_variants(V):

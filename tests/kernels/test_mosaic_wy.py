@@ -8,6 +8,7 @@ H100, the errors for unsupported arguments and for differentiation. On a GPU: th
 
 import dataclasses
 import functools
+import itertools
 import re
 import warnings
 
@@ -406,14 +407,16 @@ def test_default_config_shares_heads_from_the_threshold():
             grads = "triton" if 256 in (K, V) else "mosaic"
             assert (cfg.warpgroups, cfg.grads) == (1, grads), (K, V, heads, cfg)
             assert K != 256 or cfg.block_v == 32, (K, V, heads, cfg)
-    # The Mosaic passes' thresholds by key dim: later at K = 64, earlier at 256.
-    for K in mosaic_wy.HEAD_DIMS:
-        enough = mosaic_wy.mosaic_forward_min_batch_heads(K)
+    # The Mosaic passes' thresholds by (K, V): at every pair of head dims, from the table's count on.
+    for K, V in itertools.product(mosaic_wy.HEAD_DIMS, repeat=2):
+        enough = mosaic_wy.mosaic_forward_min_batch_heads(K, V)
         for heads, mosaic in ((enough, True), (enough - 1, False)):
-            cfg = mosaic_wy.default_config(batch_heads=heads, key_dim=K, value_dim=K)
-            assert cfg.mosaic_forward == cfg.mosaic_reverse == mosaic, (K, heads, cfg)
-    assert (mosaic_wy.mosaic_forward_min_batch_heads(64) > mosaic_wy.MOSAIC_FORWARD_MIN_BATCH_HEADS
-            > mosaic_wy.mosaic_forward_min_batch_heads(256))
+            cfg = mosaic_wy.default_config(batch_heads=heads, key_dim=K, value_dim=V)
+            assert cfg.mosaic_forward == cfg.mosaic_reverse == mosaic, (K, V, heads, cfg)
+    # As measured: later at K = V = 64, earlier at 256, later again where V = 64 than where V = 128.
+    at = mosaic_wy.mosaic_forward_min_batch_heads
+    assert at(64, 64) > at(128, 128) == mosaic_wy.MOSAIC_FORWARD_MIN_BATCH_HEADS > at(256, 256)
+    assert at(128, 64) > at(128, 128) and at(256, 64) > at(256, 128) and at(64, 64) > at(64, 128)
     assert mosaic_wy.default_config(batch_heads=threshold).grads == "mosaic"
 
 

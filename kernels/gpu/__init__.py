@@ -45,7 +45,7 @@ HEAD_DIMS = (64, 128, 256)
 CHUNK_SIZES = (64,)
 MAX_BATCH_HEADS = 65535
 KDA_DTYPES = ("bfloat16", "float32")
-# K and V each; 256 for bfloat16 inputs only (`kda.WIDE_HEAD_DIM_MIN`). At K = 256 the passes take state blocks of
+# K and V each; 256 for bfloat16 inputs only (`kda.compiles_for`). At K = 256 the passes take state blocks of
 # 16 columns and one pipeline stage (`kda.default_config`).
 KDA_HEAD_DIMS = (64, 128, 256)
 
@@ -72,7 +72,7 @@ def supports_kda(call: dispatch.RuleCall) -> bool:
         return False
     if call.key_dim not in KDA_HEAD_DIMS or call.value_dim not in KDA_HEAD_DIMS:
         return False
-    if max(call.key_dim, call.value_dim) >= kda.WIDE_HEAD_DIM_MIN and call.dtype != "bfloat16":
+    if not kda.compiles_for(call.key_dim, call.value_dim, call.dtype):
         return False
     if call.key_heads < 1 or call.value_heads % call.key_heads or call.batch < 1 or call.seq_len < 1:
         return False

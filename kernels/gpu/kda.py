@@ -184,10 +184,10 @@ SPAN_LIMIT = 30.0
 STATE_STORAGES = ("fp32", "bf16")
 PASS_BACKENDS = ("triton", "mosaic")
 INPUT_DTYPES = ("float32", "bfloat16", "float16")
-# Compiled (not interpreted), padded K or V above this take bfloat16 inputs only: at K = V = 256 with float32 inputs
-# a gradient kernel asked 264 KiB of shared memory (227 KiB on Hopper; H200, 2026-12-04), and float16 there was
-# never run. The interpreter takes every INPUT_DTYPES up to MAX_HEAD_DIM.
-WIDE_HEAD_DIM_MIN = 256
+# Compiled (not interpreted), padded K or V above this take bfloat16 inputs only (`compiles_for`): at K = V = 256
+# with float32 inputs a gradient kernel asked 264 KiB of shared memory (227 KiB on Hopper; H200, 2026-12-04), and
+# float16 there was never run. The interpreter takes every INPUT_DTYPES up to MAX_HEAD_DIM.
+NON_BF16_MAX_HEAD_DIM = 128
 
 __all__ = ["CHUNK_SIZES", "CUMSUM_METHODS", "DOT_MODES", "FORWARD_METHODS", "INVERSE_METHODS", "MAX_HEAD_DIM",
            "OPERAND_METHODS", "PREPARE_METHODS", "STATE_STORAGES", "Config", "default_config", "kda_chunk"]
@@ -1986,6 +1986,12 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
     return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic", mosaic_shared_head=shared_head)
 
 
+def compiles_for(key_dim, value_dim, dtype):
+    """Whether the compiled kernels take these head dims with q/k/v of this dtype (`NON_BF16_MAX_HEAD_DIM`)."""
+    widest = max(_pow2_at_least_16(key_dim), _pow2_at_least_16(value_dim))
+    return widest <= NON_BF16_MAX_HEAD_DIM or jnp.dtype(dtype) == BF16
+
+
 def _pow2_at_least_16(n):
     """Triton arrays need power-of-two sizes, and dots want sides >= 16."""
     return max(16, 1 << (int(n) - 1).bit_length())
@@ -2050,8 +2056,8 @@ def kda_chunk(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, ch
     nt = -(-T // C)
     pad = nt * C - T
     Kp, Vp = _pow2_at_least_16(K), _pow2_at_least_16(V)
-    if not interpret and max(Kp, Vp) >= WIDE_HEAD_DIM_MIN and jnp.dtype(q.dtype) != BF16:
-        raise ValueError(f"compiled, K or V above {WIDE_HEAD_DIM_MIN // 2} needs bfloat16 q/k/v (float32 tiles "
+    if not interpret and not compiles_for(K, V, q.dtype):
+        raise ValueError(f"compiled, K or V above {NON_BF16_MAX_HEAD_DIM} needs bfloat16 q/k/v (float32 tiles "
                          f"exceed shared memory), got {jnp.dtype(q.dtype).name} with K={K}, V={V}")
     cfg = config or default_config(q, v, scale=scale, chunk_size=C, segmented=segment_ids is not None,
                                    interpret=interpret)

@@ -843,7 +843,7 @@ def _rule_call(**overrides):
     (dict(key_dim=96), False),
     (dict(key_dim=256), True),
     (dict(key_dim=64, value_dim=256), True),
-    (dict(key_dim=256, dtype="float32"), False),  # K or V of 256 in bfloat16 only (`kda.WIDE_HEAD_DIM_MIN`)
+    (dict(key_dim=256, dtype="float32"), False),  # K or V of 256 in bfloat16 only (`kda.compiles_for`)
     (dict(value_dim=256, dtype="float32"), False),
     (dict(key_dim=512), False),
     (dict(value_dim=512), False),
@@ -972,11 +972,9 @@ def test_passes_pipeline_two_stages_only_where_shared_memory_fits():
 
 
 def _supported_dims(dtype):
-    """The (K, V) the dispatch takes for KDA in this dtype (256 in bfloat16 only, `kda.WIDE_HEAD_DIM_MIN`)."""
+    """The (K, V) the dispatch takes for KDA in this dtype (256 in bfloat16 only, `kda.compiles_for`)."""
     dims = itertools.product(pallas_gpu.KDA_HEAD_DIMS, repeat=2)
-    if jnp.dtype(dtype) == jnp.bfloat16:
-        return list(dims)
-    return [(K, V) for K, V in dims if max(K, V) < kda_module.WIDE_HEAD_DIM_MIN]
+    return [(K, V) for K, V in dims if kda_module.compiles_for(K, V, dtype)]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -1072,7 +1070,7 @@ def test_gpu_bf16_matches_scan(T, packed, init, heads, dims):
 
 
 def test_compiled_wide_heads_refuse_other_dtypes_than_bf16():
-    """Compiled (interpret=False), K or V of 256 takes bfloat16 only (`kda.WIDE_HEAD_DIM_MIN`): the error names the
+    """Compiled (interpret=False), K or V of 256 takes bfloat16 only (`kda.compiles_for`): the error names the
     dtype and the dims before any kernel is built. The interpreter takes float32 there."""
     for K, V, dtype in ((256, 256, jnp.float32), (128, 256, jnp.float32), (256, 64, jnp.float16)):
         x = _inputs(key=jax.random.PRNGKey(0), T=8, B=1, K=K, V=V)

@@ -110,8 +110,9 @@ def _other_dims_variants(V):
 @pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
 def test_other_head_dims_match_scan_and_the_triton_pass_in_interpreter(K, V):
     """K or V of 64, V of 256, in every layout: T = 130, packed documents, an initial state, beta up to 2, two value
-    heads per key head. Against the Triton pass the outputs are held to the relative bound of a flipped bf16 operand rounding
-    (as in `test_adversarial_in_interpreter`), not one ulp per element: the layouts run here in one test each."""
+    heads per key head. Against the Triton pass the outputs are held to the relative bound of a flipped bf16 operand
+    rounding (as in `test_adversarial_in_interpreter`), not one ulp per element: the layouts run here in one test
+    each."""
     x = _bf16_case(_inputs(T=130, B=1, H=1, Hv=2, K=K, V=V))
     for variant in _other_dims_variants(V):
         _against_triton(x, f"mosaic-{K}x{V}-{variant}", **VARIANTS[variant])
@@ -120,8 +121,8 @@ def test_other_head_dims_match_scan_and_the_triton_pass_in_interpreter(K, V):
 @pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
 def test_other_head_dims_gradients_through_both_mosaic_passes_in_interpreter(K, V):
     """K or V of 64, V of 256, both passes in Mosaic GPU (the layout `mosaic_config` picks by head count: one
-    warpgroup per V block of 64): every gradient at the bf16 bounds against the scan, and equal to the gradients through the Triton
-    passes up to the 16-bit rounding flips."""
+    warpgroup per V block of 64): every gradient at the bf16 bounds against the scan, and equal to the gradients
+    through the Triton passes up to the 16-bit rounding flips."""
     x = _bf16_case(_inputs(T=130, B=1, H=1, Hv=2, K=K, V=V))
     mosaic = _config(x, pass_backend="mosaic", reverse_backend="mosaic", mosaic_block_v=64)
     _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"mosaic-reverse-{K}x{V}")
@@ -443,8 +444,8 @@ def test_gpu_matches_scan(T, packed, init, heads, variant):
 @gpu_only
 @pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
 def test_gpu_other_head_dims_match_scan(K, V):
-    """Compiled, K or V of 64, V of 256, both passes in Mosaic GPU in each layout: outputs, final state and every gradient
-    against the fp32 scan at the bf16 bounds (packed documents, an initial state, T not a multiple of 64)."""
+    """Compiled, K or V of 64, V of 256, both passes in Mosaic GPU in each layout: outputs, final state and every
+    gradient against the fp32 scan at the bf16 bounds (packed documents, an initial state, T not a multiple of 64)."""
     x = _bf16_case(_inputs(B=2, T=500, H=2, Hv=4, K=K, V=V))
     for variant in _other_dims_variants(V):
         cfg = _config(x, pass_backend="mosaic", reverse_backend="mosaic", **VARIANTS[variant])

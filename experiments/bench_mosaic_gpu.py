@@ -69,7 +69,7 @@ VARIANTS = {
     "mosaic_passes": dict(mosaic_forward=True, mosaic_reverse=True),  # the Mosaic passes whatever the heads
     "xla_vectors": dict(vectors="xla"),  # the gates' cumsums and per-token vectors in XLA (until 2026-11-27)
     "recompute_u": dict(recompute_u=True),  # the gradient kernel forms u from T; the forward pass saves no u
-    "mosaic_grads": dict(grads="mosaic"),  # the Mosaic gradient kernel (K and V of 64 or 128)
+    "mosaic_grads": dict(grads="mosaic"),  # the Mosaic gradient kernel (at K or V of 256 in blocks of 128)
     "mosaic_grads_1wg": dict(grads="mosaic", grads_warpgroups=1),  # its roles in turn, two CTAs per SM at 64
     "triton_grads": dict(grads="triton"),  # the Triton gradient kernel on the Mosaic passes' residuals
     # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).

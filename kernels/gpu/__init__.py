@@ -16,8 +16,8 @@ what either accepts.
 reverse passes (from `mosaic_wy.mosaic_forward_min_batch_heads` value heads per call, by head dims; the Triton
 ones below) and its chunk-parallel gradient kernel in Mosaic GPU; the gates and per-token vectors around them are two
 small Triton kernels (`mosaic_vectors.py`). `supports_mosaic`: the GPU backend on a compute capability 9.x device,
-the delta rule with no or a scalar decay, bfloat16 q/k/v, K and V of 64, 128 or 256 (the gradient kernel in Mosaic
-GPU at K and V of 64 or 128, Triton's where either is 256), Hv a multiple of H, chunk size 64. For KDA
+the delta rule with no or a scalar decay, bfloat16 q/k/v, K and V of 64, 128 or 256 (the gradient kernel at 256 in
+blocks of 128), Hv a multiple of H, chunk size 64. For KDA
 (`supports_mosaic_kda`: what `supports_kda` takes, bfloat16, K of 64 or 128, V of 64, 128 or 256, on Hopper)
 "mosaic" runs the KDA kernels with `kda.mosaic_config`, whose forward and reverse passes are the Mosaic GPU ones
 (`mosaic_kda.py`) from 64 value heads per call (KDA at K = 256 goes to "pallas"). "auto" prefers "mosaic" over

@@ -36,7 +36,8 @@ the document masks are computed in XLA as in `wy_chunk.chunk_wy`. Differentiated
 writes what the backward reads (every chunk's start state, and u as its bf16 pair, by TMA from the operand tiles);
 the backward is the Mosaic reverse pass (writing every chunk's end-state cotangent and dx as its bf16 pair) and
 the Mosaic GPU gradient kernel (`mosaic_wy_grads`). With few heads per call the Triton passes run instead
-(`Config.mosaic_forward`, `Config.mosaic_reverse`); at K or V of 256 the Triton gradient kernels.
+(`Config.mosaic_forward`, `Config.mosaic_reverse`). At K or V of 256 the gradient kernel runs in blocks of 128
+(one CTA per chunk, head, key block and value block, `mosaic_wy_grads`).
 """
 
 from __future__ import annotations
@@ -57,9 +58,8 @@ from deltajax.kernels.gpu import wy_chunk
 from deltajax.kernels.gpu.common import split_bf16_in_xla
 
 F32, BF16 = mc.F32, mc.BF16
-# K and V of the passes, each. The gradient kernel takes K and V of 64 or 128 (`mosaic_wy_grads.HEAD_DIMS`); at
-# K or V of 256 the Triton gradient kernels run (`Config.grads="triton"`) on what the Mosaic passes save. One CTA per
-# head takes K = V = 128 only. The dispatch takes the sizes that have run and been timed on a GPU
+# K and V of the passes, each, and of the gradient kernel (`mosaic_wy_grads.HEAD_DIMS`, at 256 in blocks of 128).
+# One CTA per head takes K = V = 128 only. The dispatch takes the sizes that have run and been timed on a GPU
 # (`kernels/gpu/__init__.py`, `supports_mosaic`).
 HEAD_DIM = 128
 HEAD_DIMS = (64, 128, 256)
@@ -90,12 +90,13 @@ MOSAIC_FORWARD_MIN_BATCH_HEADS = 32
 # Mosaic passes' forward+backward measured faster than the Triton passes' (H200, 2026-12-04, `bench_mosaic_gpu.py
 # --fwd_bwd --variants=triton_passes,mosaic_passes` at 1x32768x16, 2x8192x16, 4x4096x16, 8x2048x16: 16 to 128
 # heads; docs/benchmarks.md, "KDA at head dims of 256, and the Mosaic passes' head-count thresholds ..."). At the
-# next smaller count timed the Triton passes measured faster, and at (256, 64) at both 16 and 32 heads (64 not
-# timed). The training step sets these: the Mosaic forward alone wins from fewer heads at some dims (V = 256 at 32
-# heads).
+# next smaller count timed the Triton passes measured faster. The training step sets these: the Mosaic forward
+# alone wins from fewer heads at some dims. Where K or V is 256 they were timed again once the gradient kernel
+# there was Mosaic's too (2026-12-04 20:24-20:29, docs/benchmarks.md, "The Mosaic gradient kernel at head dims of
+# 256"): (64, 256) and (128, 256) from 32 heads (was 64), (256, 64) at 64 heads (timed now: Mosaic's faster).
 MOSAIC_FORWARD_MIN_BATCH_HEADS_BY_DIMS = {
-    (64, 64): 128, (64, 128): 64, (64, 256): 64,
-    (128, 64): 128, (128, 128): MOSAIC_FORWARD_MIN_BATCH_HEADS, (128, 256): 64,
+    (64, 64): 128, (64, 128): 64, (64, 256): 32,
+    (128, 64): 128, (128, 128): MOSAIC_FORWARD_MIN_BATCH_HEADS, (128, 256): 32,
     (256, 64): 64, (256, 128): 32, (256, 256): 16,
 }
 MAX_CONCURRENT_STEPS = 2  # chunks in flight in the TMA pipeline by default (`Config.stages`)
@@ -191,11 +192,11 @@ def default_config(interpret=False, batch_heads=None, key_dim=HEAD_DIM, value_di
     `SHARED_HEAD_MIN_BATCH_HEADS` value heads in the call (B * Hv), one CTA per head with two consumer warpgroups;
     with few enough that V/32 CTAs per head fit one wave on `SM_COUNT` SMs, state blocks of 32 columns. Below
     `mosaic_forward_min_batch_heads(key_dim, value_dim)` heads, the Triton passes (faster there). Head dims other
-    than K = V = 128 (`HEAD_DIMS`): one warpgroup per CTA, the Mosaic gradient kernel at K and V of 64 or 128 and
-    the Triton ones at 256 (`check_config`), at K = 256 state blocks of at most 32 columns."""
+    than K = V = 128 (`HEAD_DIMS`): one warpgroup per CTA (`check_config`), at K = 256 state blocks of at most 32
+    columns. The Mosaic gradient kernel at every head dim (at 256 in blocks of 128; the training step 1.17-1.52x as
+    fast as with the Triton gradient kernels there, H200 2026-12-04, docs/benchmarks.md)."""
     full = key_dim == value_dim == HEAD_DIM
-    grad_dims = mosaic_wy_grads.HEAD_DIMS
-    other_dims = {} if full or (key_dim in grad_dims and value_dim in grad_dims) else dict(grads="triton")
+    other_dims = {}
     if key_dim == WIDE_KEY_DIM:
         other_dims["block_v"] = WIDE_KEY_MAX_BLOCK_V
     if interpret:
@@ -218,8 +219,8 @@ def mosaic_forward_min_batch_heads(key_dim, value_dim):
 
 def check_config(cfg, key_dim, value_dim):
     """The knobs that depend on the head dims (`Config` checks the others): one CTA per head takes K = V =
-    `HEAD_DIM` only, the Mosaic gradient kernel K and V in `mosaic_wy_grads.HEAD_DIMS` (u formed there, V = 128),
-    K = 256 narrow state blocks."""
+    `HEAD_DIM` only, u formed in the Mosaic gradient kernel V = 128 and K of at most 128, K = 256 narrow state
+    blocks."""
     if (key_dim, value_dim) == (HEAD_DIM, HEAD_DIM):
         return
     if key_dim == WIDE_KEY_DIM and (cfg.block_v > WIDE_KEY_MAX_BLOCK_V or cfg.stages > WIDE_KEY_MAX_STAGES):
@@ -228,13 +229,9 @@ def check_config(cfg, key_dim, value_dim):
     dims = f"K = V = {HEAD_DIM}, got K={key_dim}, V={value_dim}"
     if cfg.warpgroups != 1:
         raise ValueError(f"warpgroups=2 (one CTA per head) takes {dims}; use warpgroups=1")
-    grad_dims = mosaic_wy_grads.HEAD_DIMS
-    if cfg.grads == "mosaic" and not (key_dim in grad_dims and value_dim in grad_dims):
-        raise ValueError(f"grads='mosaic' (the Mosaic gradient kernel) takes K and V in {grad_dims}, got "
-                         f"K={key_dim}, V={value_dim}; use grads='triton'")
-    if cfg.grads == "mosaic" and cfg.recompute_u and value_dim != HEAD_DIM:
-        raise ValueError(f"recompute_u=True (u formed in the Mosaic gradient kernel) takes V = {HEAD_DIM}, got "
-                         f"V={value_dim}; use recompute_u=False")
+    if cfg.grads == "mosaic" and cfg.recompute_u and (value_dim != HEAD_DIM or key_dim > HEAD_DIM):
+        raise ValueError(f"recompute_u=True (u formed in the Mosaic gradient kernel) takes V = {HEAD_DIM} and K <= "
+                         f"{HEAD_DIM}, got K={key_dim}, V={value_dim}; use recompute_u=False")
 
 
 def _swizzle(cfg):
@@ -886,9 +883,9 @@ def _check_supported(q, k, v, beta, log_decay, initial_state, chunk_size):
 def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64, interpret=None,
                     config=None):
     """Gated DeltaNet forward (o, final_state) with the sequential pass in Mosaic GPU; the signature of
-    `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K and V in `HEAD_DIMS` (the Mosaic gradient kernel at 64 and 128,
-    one CTA per head at K = V = 128 only, `check_config`), Hv a multiple of H, scalar or no decay, any T, optional
-    initial state and segment_ids, chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
+    `wy_chunk.chunk_wy`. Supported: bf16 q/k/v, K and V in `HEAD_DIMS` (one CTA per head at K = V = 128 only,
+    `check_config`), Hv a multiple of H, scalar or no decay, any T, optional initial state and segment_ids,
+    chunk_size 64. `interpret` (default: when the backend is not a GPU) runs the
     kernel in the Mosaic GPU interpreter; `config`: a `Config` (default `default_config()`). Differentiated: the
     reverse pass (Mosaic GPU's from 32 value heads per call on, `Config.mosaic_reverse`), then the gradient kernel
     in Mosaic GPU (`Config.grads`)."""

@@ -50,13 +50,21 @@ The products, M x N x K:
 
 Every fp32 operand thus enters in the "split" mode (~2^-16 relative per product): the Triton "merged" kernel's
 `grad_dots`, and finer than its default `grad_k_dots` "bf16" (which rounds the operands of dk's state and dA_k
-terms to bf16). Supported: bf16 q/k/v, K and V each of 64 or 128 (`HEAD_DIMS`), C = 64, Hv value heads a multiple
-of the H key heads (value head h reads q and k at key head h // (Hv / H) and writes its own dq and dk in fp32, which
-`grads` sums over the heads sharing a key head). The tables above are for K = V = 128; at V = 64 warpgroup 1 has no
-V piece (its shares of the per-token sums are zeros) and forms dk only, at K = 64 the key-sized tiles and
-accumulators halve. SMEM tiles: 210 KiB at K = V = 128 (one CTA per SM), 106 KiB at K = V = 64, where two CTAs of
-one warpgroup each (`warpgroups=1`, both roles in turn) may share an SM: measured slower than one CTA of two
+terms to bf16). Supported: bf16 q/k/v, K and V each of 64, 128 or 256 (`HEAD_DIMS`), C = 64, Hv value heads a
+multiple of the H key heads (value head h reads q and k at key head h // (Hv / H) and writes its own dq and dk in
+fp32, which `grads` sums over the heads sharing a key head). The tables above are for K = V = 128; at V = 64
+warpgroup 1 has no V piece (its shares of the per-token sums are zeros) and forms dk only, at K = 64 the key-sized
+tiles and accumulators halve. SMEM tiles: 210 KiB at K = V = 128 (one CTA per SM), 106 KiB at K = V = 64, where two
+CTAs of one warpgroup each (`warpgroups=1`, both roles in turn) may share an SM: measured slower than one CTA of two
 warpgroups (docs/mosaic.md, next step 6).
+
+K or V of 256 (twice the tiles and K-sized accumulators, over the SMEM and registers one CTA has) run in blocks of
+`BLOCK` = 128: one CTA per (chunk, head, key block, value block), each the kernel above on its blocks of q, k, the
+states and the V-sized inputs. Every term of every gradient is linear in one V block's cotangents and in one K block's
+share of the key contractions, so the blocks' terms add up to the whole: dq and dk are written by key block and summed
+over the value blocks in fp32 (in XLA), the per-token shares are summed over all blocks, and v's term of dbeta and dv
+come from key block 0 alone. The price: the V-side products (dO u^T, dx u^T) are formed once per key block and the
+key-side ones (Q K^T, K K^T) once per value block, and dq, dk pass through HBM in fp32 where V = 256.
 """
 
 from __future__ import annotations
@@ -77,22 +85,30 @@ from deltajax.kernels.gpu.common import split_bf16_in_xla
 F32, BF16 = mc.F32, mc.BF16
 CHUNK = 64
 # K and V each. V comes in pieces of HALF columns, one per warpgroup at V = 128; at V = 64 warpgroup 1 has no piece
-# and forms dk only.
-HEAD_DIMS = (64, 128)
+# and forms dk only. Wider heads go in blocks of BLOCK (K and V of 256: two blocks each), one CTA per (key block,
+# value block), whose terms `grads` sums (every gradient is a sum of per-block terms, `_grad_body`).
+HEAD_DIMS = (64, 128, 256)
+BLOCK = 128
 HALF = 64  # the V columns per wgmma operand tile (128-byte rows)
 # The per-token vectors the kernel reads, in the order of `token_vectors`' rows; G and doc again as columns.
 ROW_VECTORS = ("g_hi", "g_lo", "beta", "from_start", "to_end", "doc")
 COL_VECTORS = ("g_hi", "g_lo", "doc")
 
 
-def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t):
-    """One chunk i of value head bh = b * Hv + h (`num_heads` = Hv), two warpgroups w = 0, 1 (`_warpgroup`). The
+def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t, key_blocks, value_blocks):
+    """One chunk i of value head bh = b * Hv + h (`num_heads` = Hv), two warpgroups w = 0, 1 (`_warpgroup`); with
+    heads wider than `BLOCK`, one (key block, value block) of them (`key_blocks` x `value_blocks` CTAs per chunk and
+    head, next to each other in the launch order). Every gradient is a sum of terms, each linear in one V block's
+    cotangents (dO, dx, u, dS_end) and in one K block's contractions (K S_0, K dS_end, Q K^T, K K^T: sums over the
+    key channels), so a CTA forms its block's terms as if its blocks were the whole head, with v's term in dbeta
+    (rowsum(dx (.) v)) and dv in key block 0 only. dq and dk: the K block's columns, summed over the V blocks in
+    `grads`; the per-token shares: one per warpgroup and block, summed there too. The
     GMEM inputs: q, k (B, Tp, H, K), read at key head h // `group`; v, dO; u's bf16 (hi, lo) halves (B, Tp, Hv, V)
     each, or (`u_from_t`) T's bf16 pair (2, B, Tp, Hv, C), from which the kernel forms u itself; dx's halves; the
-    start states and end-state cotangents; vec_ref: `token_vectors` (6, B*Hv, Tp). Outputs: dq, dk (B, Tp, Hv, K),
-    bf16, or fp32 where `group` > 1 (`grads` sums them over the group); dv (B, Tp, Hv, V) bf16; each warpgroup's
-    share of dbeta, of dL/dG's per-token terms and of the end terms (2, B*Hv, Tp) fp32, and of the survival row sums
-    (2, B*Hv, nt*K). SMEM: the inputs by V piece (u_s, x_s: [piece, hi/lo]), the dP and dA_k pairs (p_s, a_s:
+    start states and end-state cotangents; vec_ref: `token_vectors` (6, B*Hv, Tp). Outputs: dq, dk (value blocks,
+    B, Tp, Hv, K), bf16, or fp32 where `group` > 1 or there are two value blocks (`grads` sums them); dv (B, Tp, Hv,
+    V) bf16; each warpgroup's share of dbeta, of dL/dG's per-token terms and of the end terms (2 x blocks, B*Hv, Tp)
+    fp32, and of the survival row sums (2 x value blocks, B*Hv, nt*K). SMEM: the inputs by V piece (u_s, x_s: [piece, hi/lo]), the dP and dA_k pairs (p_s, a_s:
     [hi/lo]; Z's pair and a tile of ones at the end), the vectors. With `u_from_t`, T's pair arrives in the tiles of
     u's second piece (`_warpgroup`)."""
     n_in = 10 if u_from_t else 11
@@ -112,20 +128,25 @@ def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t):
     u_stored = types.SimpleNamespace(t_read=barriers[3], both=barriers[4]) if u_from_t else None
     row_vec = dict(zip(ROW_VECTORS, vec_s[:len(ROW_VECTORS)]))
     col_vec = dict(zip(COL_VECTORS, vec_s[len(ROW_VECTORS):]))
-    i = lax.axis_index("chunk")
+    blocks = key_blocks * value_blocks
+    i, block = lax.axis_index("chunk") // blocks, lax.axis_index("chunk") % blocks
+    key_block, value_block = block // value_blocks, block % value_blocks
     bh = lax.axis_index("head")
     wg = lax.axis_index("wg") if threads == 2 else 0
     b, h = bh // num_heads, bh % num_heads
     key_head = h // group
     key_dim, n_halves = k_s.shape[1], do_s.shape[0]
     tokens = pl.ds(i * CHUNK, CHUNK)
-    state_rows = pl.ds(i * key_dim, key_dim)
-    halves = [pl.ds(j * HALF, HALF) for j in range(n_halves)]
+    keys = pl.ds(key_block * key_dim, key_dim)  # this CTA's key channels, its rows of the states
+    state_rows = pl.ds(i * key_dim * key_blocks + key_block * key_dim, key_dim)
+    halves = [pl.ds(value_block * n_halves * HALF + j * HALF, HALF) for j in range(n_halves)]
+    # The terms read once per head: v's (dbeta) and dv, in key block 0 (None: one key block).
+    first_key_block = None if key_blocks == 1 else key_block == 0
 
     @pl.when(wg == 0)
     def _issue_loads():
         # Two groups of copies: what both warpgroups start with, then dO and q (first read by the dP product).
-        first = [(k_ref.at[b, tokens, key_head, :], k_s)]
+        first = [(k_ref.at[b, tokens, key_head, keys], k_s)]
         first += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in row_vec.items()]
         first += [(vec_ref.at[ROW_VECTORS.index(name), bh, tokens], ref) for name, ref in col_vec.items()]
         for j, cols in enumerate(halves):
@@ -137,7 +158,7 @@ def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t):
         if u_from_t:  # T's pair in the tiles of u's second half, until u is formed (`_warpgroup`)
             first += [(t_ref.at[part, b, tokens, h, :], u_s.at[1, part]) for part in range(2)]
         second = [(do_ref.at[b, tokens, h, cols], do_s.at[j]) for j, cols in enumerate(halves)]
-        second.append((q_ref.at[b, tokens, key_head, :], q_s))
+        second.append((q_ref.at[b, tokens, key_head, keys], q_s))
         for group, barrier in ((first, first_loads), (second, second_loads)):
             for src, dst in group:
                 plgpu.copy_gmem_to_smem(src, dst, barrier)
@@ -147,23 +168,27 @@ def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t):
         row_vec=row_vec, col_vec=col_vec, first_loads=first_loads, second_loads=second_loads, handoff=handoff,
         u_stored=u_stored)
     # Warpgroup w's V piece: w itself, or none (V = 64, w = 1).
+    share, survive_share = 2 * block, 2 * value_block  # + w; the survival sums' rows are by key block already
     roles = [functools.partial(
         _warpgroup, w, refs, v_ref.at[b, tokens, h, halves[w]] if w < n_halves else None, scale=scale,
-        segmented=segmented, concurrent=threads == 2,
-        out=dict(dq=dq_ref.at[b, tokens, h, :], dk=dk_ref.at[b, tokens, h, :],
-                 dv=dv_ref.at[b, tokens, h, halves[w]] if w < n_halves else None, dbeta=dbeta_ref.at[w, bh, tokens],
-                 dgate=dgate_ref.at[w, bh, tokens], end=end_ref.at[w, bh, tokens],
-                 survive=survive_ref.at[w, bh, state_rows])) for w in range(2)]
+        segmented=segmented, concurrent=threads == 2, first_key_block=first_key_block,
+        out=dict(dq=dq_ref.at[value_block, b, tokens, h, keys], dk=dk_ref.at[value_block, b, tokens, h, keys],
+                 dv=dv_ref.at[b, tokens, h, halves[w]] if w < n_halves else None,
+                 dbeta=dbeta_ref.at[share + w, bh, tokens], dgate=dgate_ref.at[share + w, bh, tokens],
+                 end=end_ref.at[share + w, bh, tokens], survive=survive_ref.at[survive_share + w, bh, state_rows]))
+             for w in range(2)]
     mc.run_roles(roles, wg, threads)
 
 
-def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
+def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, first_key_block, out):
     """Warpgroup w's share of one chunk: V half w of the contractions with S_0 and dS_end (dv, the per-token
     sums); then (w = 0) the cotangents dA_k and dP, stored as pairs for warpgroup 1, dq and colsum(Z), or (w = 1)
     dk. `handoff`: [0] dA_k's pair is in SMEM, [1] dP's pair is, [2] warpgroup 1 has read both (Z then takes dP's
     tiles). A generator that yields between the roles' steps, so that one warpgroup can also run both roles in turn
     (`concurrent=False`: no barriers between the roles, each load barrier waited on once): warpgroup 0's first step
-    stores both pairs before warpgroup 1's first step reads them, and overwrites dP's only in its second."""
+    stores both pairs before warpgroup 1's first step reads them, and overwrites dP's only in its second.
+    `first_key_block` (a traced bool, or None for a single key block): whether this CTA takes v's term of dbeta and
+    writes dv, which do not depend on the key block."""
     C, K, n_halves = CHUNK, r.k_s.shape[1], r.do_s.shape[0]
     row_vec, col_vec, handoff = r.row_vec, r.col_vec, r.handoff
     if concurrent or w == 0:
@@ -203,9 +228,17 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, out):
         dbeta = dgate = end = zeros(C)
     else:
         ks, kd, v = pl.run_scoped(state_products, mc.acc(C, HALF), mc.acc(C, HALF))
+        if first_key_block is not None:  # y's v term once per head: K S_0 is this key block's share
+            v = v * first_key_block.astype(F32)
         y = mc.wgmma_layout(v - rows(from_start) * ks)  # (3)
         dx = pair(r.x_s.at[w])
-        out["dv"][...] = mc.wgmma_layout((rows(beta) * dx).astype(out["dv"].dtype))
+
+        def store_dv():
+            out["dv"][...] = mc.wgmma_layout((rows(beta) * dx).astype(out["dv"].dtype))
+        if first_key_block is None:
+            store_dv()
+        else:
+            pl.when(first_key_block)(store_dv)
         dbeta = jnp.sum(dx * y, axis=1)
         dgate = -jnp.sum(rows(beta_start) * dx * ks, axis=1)  # through carry exp(G) in (3)
         if r.u_stored is None:
@@ -362,15 +395,15 @@ def as_pair(x):
 
 def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale, segmented, interpret, vectors=None,
           survive=None, t_pair=None, warpgroups=2):
-    """(dq, dk, dv, dbeta, d(log_decay)) of every chunk, as `wy_chunk._grads` returns them for "merged": padded
-    inputs (Tp a multiple of 64), q, k (B, Tp, H, K) and v (B, Tp, Hv, V) with Hv a multiple of H, g = [hi, lo]
-    in-chunk gates, starts / dends (B, Hv, nt*K, V) bf16, do bf16, u and dx each as its bf16 (hi, lo) halves
-    (B, Tp, Hv, V) (fp32 arrays are split in XLA, `as_pair`). u None: the kernel forms u = T diag(beta) (v -
-    carry exp(G) (.) K S_0) itself from `t_pair`, T's bf16 pair (2, B, Tp, Hv, C), as the Mosaic forward pass does
-    (S_0 as bf16 in K S_0). `vectors`: the kernel's `token_vectors` (6, B*Hv, Tp) where made already
-    (`mosaic_vectors.prologue`); `survive`: that prologue's survival factors (B*Hv, nt*K), which send the
-    warpgroups' shares to `mosaic_vectors.epilogue` for dbeta and d(log_decay) instead of XLA. dq and dk are summed
-    over the value heads of each key head (in fp32, then rounded once to q's dtype)."""
+    """(dq, dk, dv, dbeta, d(log_decay)) of every chunk, as `wy_chunk._grads` returns them for "merged": padded inputs
+    (Tp a multiple of 64), q, k (B, Tp, H, K) and v (B, Tp, Hv, V) with Hv a multiple of H, g = [hi, lo] in-chunk gates,
+    starts / dends (B, Hv, nt*K, V) bf16, do bf16, u and dx each as its bf16 (hi, lo) halves (B, Tp, Hv, V) (fp32 arrays
+    are split in XLA, `as_pair`); K and V in `HEAD_DIMS`, at 256 in blocks of `BLOCK` (`_grad_body`). u None (V = 128, K
+    at most 128): the kernel forms u = T diag(beta) (v - carry exp(G) (.) K S_0) itself from `t_pair`, T's bf16 pair (2,
+    B, Tp, Hv, C), as the Mosaic forward pass does (S_0 as bf16 in K S_0). `vectors`: the kernel's `token_vectors` (6,
+    B*Hv, Tp) where made already (`mosaic_vectors.prologue`); `survive`: that prologue's survival factors (B*Hv, nt*K),
+    which send the warpgroups' shares to `mosaic_vectors.epilogue` for dbeta and d(log_decay) instead of XLA. dq and dk
+    are summed over the value heads of each key head (in fp32, then rounded once to q's dtype)."""
     u_from_t = u is None
     if u_from_t and t_pair is None:
         raise ValueError("grads: u is None, so t_pair (T's bf16 pair, (2, B, Tp, Hv, 64)) is needed to form it")
@@ -380,18 +413,23 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     H, V = v.shape[2:]  # the value heads: the kernel's grid and every per-head array below
     if K not in HEAD_DIMS or V not in HEAD_DIMS:
         raise ValueError(f"grads: K and V must each be one of {HEAD_DIMS}, got K={K}, V={V}")
-    if u_from_t and V != 2 * HALF:
-        # T's pair arrives in the tiles of u's second V piece, which V = 64 does not have.
-        raise ValueError(f"grads: u None (formed from T's pair) takes V = {2 * HALF}, got V={V}")
+    if u_from_t and (V != 2 * HALF or K > BLOCK):
+        # T's pair arrives in the tiles of u's second V piece, which V = 64 does not have; u needs K S_0 over every
+        # key channel, which one key block does not see.
+        raise ValueError(f"grads: u None (formed from T's pair) takes V = {2 * HALF} and K <= {BLOCK}, got K={K}, "
+                         f"V={V}")
     group = H // key_heads
     nt = Tp // CHUNK
+    key_block, value_block = min(K, BLOCK), min(V, BLOCK)
+    key_blocks, value_blocks = K // key_block, V // value_block
+    blocks = key_blocks * value_blocks
     vectors = token_vectors(g, beta, carry, tail, doc) if vectors is None else vectors
-    bh_vector = jax.ShapeDtypeStruct((2, B * H, Tp), F32)  # one share per warpgroup
-    # dq and dk per value head; in fp32 where a group's are summed below, so that they are rounded once.
-    dqk_dtype = q.dtype if group == 1 else F32
-    out_type = (jax.ShapeDtypeStruct((B, Tp, H, K), dqk_dtype), jax.ShapeDtypeStruct((B, Tp, H, K), dqk_dtype),
-                jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), bh_vector, bh_vector, bh_vector,
-                jax.ShapeDtypeStruct((2, B * H, nt * K), F32))
+    bh_vector = jax.ShapeDtypeStruct((2 * blocks, B * H, Tp), F32)  # one share per warpgroup and block
+    # dq and dk per value head and V block; in fp32 where those are summed below, so that they are rounded once.
+    dqk_dtype = q.dtype if group == value_blocks == 1 else F32
+    dqk_type = jax.ShapeDtypeStruct((value_blocks, B, Tp, H, K), dqk_dtype)
+    out_type = (dqk_type, dqk_type, jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), bh_vector, bh_vector, bh_vector,
+                jax.ShapeDtypeStruct((2 * value_blocks, B * H, nt * K), F32))
     # `warpgroups` compiled: two side by side, or one running both roles in turn (the same SMEM handoffs, no
     # barriers between the roles), where two CTAs share an SM (SMEM at most half of it: K = V = 64). The interpreter
     # runs each Pallas thread as a computation of its own, and on few CPU cores one blocked in a barrier wait can
@@ -401,16 +439,21 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     threads = 1 if interpret else warpgroups
     kernel = plgpu.kernel(
         functools.partial(_grad_body, scale=scale, num_heads=H, group=group, segmented=segmented, threads=threads,
-                          u_from_t=u_from_t),
-        out_type=out_type, scratch_types=_scratch_types(u_from_t, K, V), grid=(nt, B * H), grid_names=("chunk", "head"),
+                          u_from_t=u_from_t, key_blocks=key_blocks, value_blocks=value_blocks),
+        out_type=out_type, scratch_types=_scratch_types(u_from_t, key_block, value_block), grid=(nt * blocks, B * H),
+        grid_names=("chunk", "head"),
         num_threads=threads, thread_name="wg",
         # Every reduction is along the rows, within a warp: no SMEM for cross-warp ones (which fills 227 KiB).
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
         kernel_name="wy_grads_mosaic")
     dq, dk, dv, *shares = kernel(q, k, v, do, *u_inputs, *dx, starts, dends, vectors)
-    if group > 1:
-        dq, dk = (x.reshape(B, Tp, key_heads, group, K).sum(3).astype(q.dtype) for x in (dq, dk))
+    if dqk_dtype == F32:
+        dq, dk = (x.reshape(value_blocks, B, Tp, key_heads, group, K).sum((0, 4)).astype(q.dtype) for x in (dq, dk))
+    else:
+        dq, dk = dq[0], dk[0]
+    # The warpgroups' shares: summed over the blocks, two left.
+    shares = [x if x.shape[0] == 2 else x.reshape(-1, 2, *x.shape[1:]).sum(0) for x in shares]
     if survive is not None:
         dbeta, dlog = mosaic_vectors.epilogue(*shares, survive, num_heads=H, interpret=interpret)
         return dq, dk, dv, dbeta, dlog

@@ -250,8 +250,8 @@ def test_grouped_value_heads_gradients_match_scan_in_interpreter(config):
     _check_grads(x, cfg)
 
 
-# Head dims other than K = V = 128 (`mosaic_wy.HEAD_DIMS`): the Mosaic passes; the Mosaic gradient kernel at K and V
-# of 64 or 128, the Triton ones at 256.
+# Head dims other than K = V = 128 (`mosaic_wy.HEAD_DIMS`): the Mosaic passes and the Mosaic gradient kernel (at 256
+# in blocks of 128).
 OTHER_HEAD_DIMS = [(64, 64), (64, 128), (128, 64), (256, 128), (128, 256)]
 
 
@@ -262,7 +262,7 @@ def test_other_head_dims_match_scan_in_interpreter(K, V):
     x = rule_inputs(fresh_key(), B=1, T=130, H=1, Hv=2, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
                     with_initial_state=True)
     config = mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V)
-    assert (config.warpgroups, config.grads) == (1, "triton" if 256 in (K, V) else "mosaic")
+    assert (config.warpgroups, config.grads) == (1, "mosaic")
     assert config.block_v == (32 if K == 256 else 64)
     _check(x, config=config)
     if (K, V) == (64, 64):  # state blocks of 32 columns, two per head
@@ -270,22 +270,28 @@ def test_other_head_dims_match_scan_in_interpreter(K, V):
 
 
 @pytest.mark.parametrize("K,V,grads", [(64, 64, "triton"), (128, 64, "triton"), (256, 128, "triton"),
-                                        (64, 64, "mosaic"), (64, 128, "mosaic"), (128, 64, "mosaic")])
+                                        (64, 64, "mosaic"), (64, 128, "mosaic"), (128, 64, "mosaic"),
+                                        (256, 64, "mosaic"), (128, 256, "mosaic"),
+                                        (256, 64, "mosaic_after_triton_passes")])
 def test_other_head_dims_gradients_match_scan_in_interpreter(K, V, grads):
     """Differentiated at K or V of 64 or 256: the Mosaic pass writes the start states and u, the Mosaic reverse
     pass the end-state cotangents and dx, for the Triton gradient kernels (`_saves_triton_residuals`; the lowering
-    test checks that no Triton forward or reverse pass runs) or, at K and V of 64 or 128, the Mosaic one; every
-    gradient against the fp32 scan's."""
+    test checks that no Triton forward or reverse pass runs) or the Mosaic one (at 256 in blocks of 128; after the
+    Triton passes, as with few heads per call, at K = 256 the "staged" ones, writing u's and dx's pairs for it);
+    every gradient against the fp32 scan's."""
     x = rule_inputs(fresh_key(), B=1, T=100, H=2, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
                     with_initial_state=True)
-    config = dataclasses.replace(mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V), grads=grads)
+    config = mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V)
+    triton_passes = grads.endswith("_after_triton_passes")
+    config = dataclasses.replace(config, grads=grads.removesuffix("_after_triton_passes"),
+                                 mosaic_forward=not triton_passes, mosaic_reverse=not triton_passes)
     _check_grads(x, config)
 
 
 @pytest.mark.parametrize("K,V,change,message", [
     (64, 64, dict(warpgroups=2, block_v=64), "warpgroups=2 .* takes K = V = 128"),
-    (256, 64, dict(grads="mosaic"), r"grads='mosaic' .* takes K and V in \(64, 128\), got K=256, V=64"),
-    (64, 64, dict(grads="mosaic", recompute_u=True), "recompute_u=True .* takes V = 128, got V=64")])
+    (256, 128, dict(grads="mosaic", recompute_u=True), "recompute_u=True .* takes V = 128 and K <= 128, got K=256"),
+    (64, 64, dict(grads="mosaic", recompute_u=True), "recompute_u=True .* takes V = 128 and K <= 128, got K=64, V=64")])
 def test_other_head_dims_refuse_what_does_not_fit(K, V, change, message):
     """One CTA per head at K = V = 128 only; the Mosaic gradient kernel at K and V of 64 or 128, and forming u
     itself at V = 128 only (T's pair arrives in the tiles of u's second V piece)."""
@@ -400,12 +406,11 @@ def test_default_config_shares_heads_from_the_threshold():
         cfg = mosaic_wy.default_config(batch_heads=heads)
         assert cfg.mosaic_forward == cfg.mosaic_reverse == mosaic, (heads, cfg)
     assert mosaic_wy.default_config(interpret=True, batch_heads=threshold).p_operand == "smem"
-    # Other head dims: one warpgroup per CTA whatever the heads; the Triton gradient kernels at K or V of 256.
+    # Other head dims: one warpgroup per CTA whatever the heads; the Mosaic gradient kernel.
     for K, V in OTHER_HEAD_DIMS:
         for heads in (None, 16, threshold):
             cfg = mosaic_wy.default_config(batch_heads=heads, key_dim=K, value_dim=V)
-            grads = "triton" if 256 in (K, V) else "mosaic"
-            assert (cfg.warpgroups, cfg.grads) == (1, grads), (K, V, heads, cfg)
+            assert (cfg.warpgroups, cfg.grads) == (1, "mosaic"), (K, V, heads, cfg)
             assert K != 256 or cfg.block_v == 32, (K, V, heads, cfg)
     # The Mosaic passes' thresholds by (K, V): at every pair of head dims, from the table's count on.
     for K, V in itertools.product(mosaic_wy.HEAD_DIMS, repeat=2):
@@ -449,7 +454,7 @@ def test_dispatch_prefers_mosaic_on_hopper(monkeypatch):
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL)
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(decay="none", has_initial_state=False))
     assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(value_heads=8))  # two value heads per key head
-    for K, V in OTHER_HEAD_DIMS:  # the Mosaic passes, the Mosaic gradient kernel or (256) the Triton ones
+    for K, V in OTHER_HEAD_DIMS:  # the Mosaic passes and gradient kernel
         assert pallas_gpu.supports_mosaic(MOSAIC_CALL._replace(key_dim=K, value_dim=V)), (K, V)
     for change in (dict(platform="cpu"), dict(platform="tpu"), dict(op="linear_attention"), dict(decay="channel"),
                    dict(dtype="float32"), dict(dtype="float16"), dict(key_dim=32), dict(value_dim=512),
@@ -572,7 +577,8 @@ def test_gradient_lowers_for_cuda(config):
 
 
 @pytest.mark.parametrize("K,V,grads", [(K, V, "triton") for K, V in OTHER_HEAD_DIMS]
-                         + [(K, V, grads) for K, V in OTHER_HEAD_DIMS[:3] for grads in ("mosaic", "mosaic_1wg")])
+                         + [(K, V, grads) for K, V in OTHER_HEAD_DIMS[:3] for grads in ("mosaic", "mosaic_1wg")]
+                         + [(K, V, "mosaic") for K, V in OTHER_HEAD_DIMS[3:]])
 @pytest.mark.parametrize("heads", [4, 64])
 def test_other_head_dims_lower_for_cuda(K, V, grads, heads):
     """K or V of 64 or 256, the call and its gradient lowered for an abstract H100 at 4 value heads (state blocks of
@@ -609,13 +615,17 @@ def test_gpu_other_head_dims_match_scan(K, V):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS[:3])
-@pytest.mark.parametrize("grads", ["triton", "mosaic", "mosaic_1wg"])
+@pytest.mark.parametrize("K,V,grads", [(K, V, grads) for K, V in OTHER_HEAD_DIMS[:3]
+                                       for grads in ("triton", "mosaic", "mosaic_1wg")]
+                         + [(K, V, grads) for K, V in OTHER_HEAD_DIMS[3:] + [(256, 256)]
+                            for grads in ("triton", "mosaic")])
 def test_gpu_other_head_dims_gradients_match_scan(K, V, grads):
-    """Compiled, K or V of 64 with each gradient kernel ("mosaic_1wg": one warpgroup per CTA running both roles,
-    two CTAs per SM where SMEM allows): every gradient against the fp32 scan's."""
-    x = rule_inputs(fresh_key(), B=8, T=600, H=4, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
-                    with_initial_state=True)
+    """Compiled, K or V of 64 or 256 with each gradient kernel ("mosaic_1wg": one warpgroup per CTA running both
+    roles, two CTAs per SM where SMEM allows; at 256 the Mosaic one runs in blocks of 128): every gradient against
+    the fp32 scan's. (At K = V = 256 four sequences: the scan's gradient keeps every token's state, 4.7 GB at
+    eight.)"""
+    x = rule_inputs(fresh_key(), B=4 if K == V == 256 else 8, T=600, H=4, K=K, V=V, dtype=jnp.bfloat16,
+                    beta_max=2.0, packed=True, with_initial_state=True)
     cfg = dataclasses.replace(mosaic_wy.default_config(batch_heads=32, key_dim=K, value_dim=V), mosaic_forward=True,
                               mosaic_reverse=True, grads=grads.removesuffix("_1wg"),
                               grads_warpgroups=1 if "1wg" in grads else 2)

@@ -24,8 +24,10 @@ warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarn
 ON_GPU = jax.default_backend() == "gpu"
 D = 128
 SCALE = D ** -0.5
-# The other (K, V) the kernel takes (`mosaic_wy_grads.HEAD_DIMS`): at V = 64 warpgroup 1 has no V piece.
+# The other (K, V) the kernel takes (`mosaic_wy_grads.HEAD_DIMS`): at V = 64 warpgroup 1 has no V piece; K or V of
+# 256 run in blocks of 128, one CTA per (key block, value block).
 OTHER_HEAD_DIMS = [(64, 64), (64, 128), (128, 64)]
+WIDE_HEAD_DIMS = [(256, 256), (256, 128), (256, 64), (128, 256), (64, 256)]
 # dq, dk, dv are bf16 outputs: one rounding each (relative 2^-9 at most per element). dbeta and d(log_decay) are
 # fp32 from products in the split mode on both sides (~2^-16 relative per product), the Mosaic kernel reading u and
 # dx as bf16 pairs (2^-17 relative) where the Triton one splits fp32 values; d(log_decay) sums them with
@@ -41,7 +43,8 @@ def _residuals(x, do, dfinal):
     segmented = x["segment_ids"] is not None
     cfg = wy_chunk.default_config(x["q"], x["v"], scale=SCALE, chunk_size=64, delta=True, segmented=segmented,
                                   interpret=not ON_GPU, gated=x["log_decay"] is not None)
-    assert cfg.grad_method == "merged" and wy_chunk._saves_u_dx(cfg) and cfg.state_storage == "bf16"
+    # "merged" up to K = 128, "staged" (V blocks, then K blocks) at 256: both read u and dx saved by the passes.
+    assert cfg.grad_method in ("merged", "staged") and wy_chunk._saves_u_dx(cfg) and cfg.state_storage == "bf16"
     args = wy_chunk.padded_call_inputs(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], x["initial_state"],
                                        x["segment_ids"], 64)
     q, k, v, beta, g, doc, carry, tail, t, t_grads, starts, (u,) = wy_chunk._wy_fwd(cfg, *args)[1]
@@ -127,11 +130,13 @@ def test_without_decay_in_interpreter():
     _compare(rule_inputs(fresh_key(), B=1, T=64, H=1, K=D, V=D, dtype=jnp.bfloat16, decay="none", packed=True))
 
 
-@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
-@pytest.mark.parametrize("case", ["plain", "packed_correlated_keys"])
+@pytest.mark.parametrize("K,V,case", [(K, V, case) for K, V in OTHER_HEAD_DIMS
+                                       for case in ("plain", "packed_correlated_keys")]
+                         + [(K, V, "packed_correlated_keys") for K, V in WIDE_HEAD_DIMS[:3]])
 def test_other_head_dims_match_the_triton_kernel_in_interpreter(K, V, case):
-    """K or V of 64: the V pieces and key-sized tiles follow the call's dims. T not a multiple of 64, beta up to 2,
-    an initial state; packed documents with keys drawn around one direction."""
+    """K or V of 64: the V pieces and key-sized tiles follow the call's dims; of 256: each CTA's terms over its key
+    and value block, summed (at K = 256 the oracle is the Triton "staged" kernels). T not a multiple of 64, beta up
+    to 2, an initial state; packed documents with keys drawn around one direction."""
     x = rule_inputs(fresh_key(), B=1, T=150, H=2, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0,
                     with_initial_state=True, packed=case != "plain")
     if case != "plain":
@@ -145,12 +150,18 @@ def test_other_head_dims_refuse_what_the_kernel_does_not_take():
     x = rule_inputs(fresh_key(), B=1, T=64, H=1, K=64, V=64, dtype=jnp.bfloat16)
     _, _, _, res = _residuals(x, x["v"], jax.random.normal(fresh_key(), (1, 1, 64, 64), jnp.float32))
     t_pair = jax.random.normal(fresh_key(), (2, 1, 64, 1, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match="u None .* takes V = 128, got V=64"):
+    with pytest.raises(ValueError, match="u None .* takes V = 128 and K <= 128, got K=64, V=64"):
         mosaic_wy_grads.grads(*res[:11], None, res[12], scale=SCALE, segmented=False, interpret=True, t_pair=t_pair)
-    wide = {name: jax.random.normal(fresh_key(), res[i].shape[:-1] + (256,), res[i].dtype)
-            for i, name in ((0, "q"), (1, "k"))}
-    with pytest.raises(ValueError, match=r"K and V must each be one of \(64, 128\), got K=256, V=64"):
-        mosaic_wy_grads.grads(wide["q"], wide["k"], *res[2:], scale=SCALE, segmented=False, interpret=True)
+    key_dim = lambda n: {name: jax.random.normal(fresh_key(), res[i].shape[:-1] + (n,), res[i].dtype)
+                         for i, name in ((0, "q"), (1, "k"))}
+    narrow = key_dim(32)
+    with pytest.raises(ValueError, match=r"K and V must each be one of \(64, 128, 256\), got K=32, V=64"):
+        mosaic_wy_grads.grads(narrow["q"], narrow["k"], *res[2:], scale=SCALE, segmented=False, interpret=True)
+    # u formed from T needs K S_0 over every key channel: one key block of 256 does not see them.
+    wide = key_dim(256)
+    with pytest.raises(ValueError, match="u None .* takes V = 128 and K <= 128, got K=256, V=64"):
+        mosaic_wy_grads.grads(wide["q"], wide["k"], *res[2:11], None, res[12], scale=SCALE, segmented=False,
+                              interpret=True, t_pair=t_pair)
     with pytest.raises(ValueError, match="warpgroups must be 1 .* or 2 .*, got 4"):
         mosaic_wy_grads.grads(*res, scale=SCALE, segmented=False, interpret=True, warpgroups=4)
 
@@ -162,7 +173,8 @@ H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
 
 @pytest.mark.parametrize("segmented", [False, True])
 @pytest.mark.parametrize("u_from_t,K,V", [(False, D, D), (True, D, D), (False, 64, 64), (False, 64, 128),
-                                          (False, 128, 64), (True, 64, 128)])
+                                          (False, 128, 64), (True, 64, 128), (False, 256, 256), (False, 256, 64),
+                                          (False, 64, 256)])
 def test_lowers_for_cuda(segmented, u_from_t, K, V):
     """Catches what the interpreter accepts but Mosaic GPU cannot lower (layouts, wgmma operands, transposed
     views, the barriers of the two warpgroups, which the interpreter runs in turn)."""
@@ -192,7 +204,7 @@ def test_gpu_matches_the_triton_kernel(packed, u_from_t):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
+@pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS + WIDE_HEAD_DIMS)
 def test_gpu_other_head_dims_match_the_triton_kernel(K, V):
     _compare(rule_inputs(fresh_key(), B=2, T=1000, H=4, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
                          with_initial_state=True))

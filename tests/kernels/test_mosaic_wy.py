@@ -293,8 +293,8 @@ def test_other_head_dims_gradients_match_scan_in_interpreter(K, V, grads):
     (256, 128, dict(grads="mosaic", recompute_u=True), "recompute_u=True .* takes V = 128 and K <= 128, got K=256"),
     (64, 64, dict(grads="mosaic", recompute_u=True), "recompute_u=True .* takes V = 128 and K <= 128, got K=64, V=64")])
 def test_other_head_dims_refuse_what_does_not_fit(K, V, change, message):
-    """One CTA per head at K = V = 128 only; the Mosaic gradient kernel at K and V of 64 or 128, and forming u
-    itself at V = 128 only (T's pair arrives in the tiles of u's second V piece)."""
+    """One CTA per head at K = V = 128 only; the Mosaic gradient kernel forming u itself at V = 128 (T's pair arrives
+    in the tiles of u's second V piece) and K of at most 128 (u needs K S_0 over every key channel) only."""
     x = rule_inputs(fresh_key(), B=1, T=64, H=1, K=K, V=V, dtype=jnp.bfloat16)
     base = mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V)
     with pytest.raises(ValueError, match=message):
@@ -583,8 +583,8 @@ def test_gradient_lowers_for_cuda(config):
 def test_other_head_dims_lower_for_cuda(K, V, grads, heads):
     """K or V of 64 or 256, the call and its gradient lowered for an abstract H100 at 4 value heads (state blocks of
     32 columns) and 64: the Mosaic forward pass once, saving the residuals under differentiation, the Mosaic
-    reverse pass and the Triton gradient kernels (no Triton forward or reverse pass), or at K and V of 64 or 128
-    the Mosaic one ("mosaic_1wg": one warpgroup per CTA running both roles)."""
+    reverse pass and the Triton gradient kernels (no Triton forward or reverse pass), or the Mosaic one (at 256 in
+    blocks of 128; "mosaic_1wg": one warpgroup per CTA running both roles)."""
     cfg = mosaic_wy.default_config(batch_heads=heads, key_dim=K, value_dim=V)
     cfg = dataclasses.replace(cfg, mosaic_forward=True, mosaic_reverse=True, grads=grads.removesuffix("_1wg"),
                               grads_warpgroups=1 if "1wg" in grads else 2)

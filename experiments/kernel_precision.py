@@ -2,6 +2,8 @@
 
     python experiments/kernel_precision.py --variants=default,all_bf16 --cases=random,correlated
     python experiments/kernel_precision.py --interpret   # on CPU: bf16 rounding is emulated exactly
+    python experiments/kernel_precision.py --size=8x600x2x256 --variants=default,states_fp32,grad_split \
+        --cases=random --worst_tokens=5   # dq of the staged gradient kernels at K = 256 (docs/kernels.md)
 
 Each case draws bf16 inputs (the scan sees the same rounded values in fp32) and prints the relative error of o, the
 final state and every gradient (loss <o, W_o> + <S, W_s> with fixed non-constant weights). Bounds of the GPU tests:
@@ -23,6 +25,8 @@ flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
 flags.DEFINE_list("cases", ["random", "correlated", "strong_decay"], "Names from CASES.")
 flags.DEFINE_string("size", "1x500x2x128", "BxTxHxD (K = V = D, Hv = 2H, packed documents, initial state).")
 flags.DEFINE_bool("interpret", False, "Run the kernels in Pallas's interpreter.")
+flags.DEFINE_integer("worst_tokens", 0, "Also print the N tokens of largest relative dq error (by position in the "
+                     "sequence, over batch and heads; the positions mod 64 say where in the chunk the error sits).")
 
 VARIANTS = {
     "default": {},
@@ -117,6 +121,15 @@ def main(argv):
             got = errors(kernel, x, D ** -0.5)
             rel = [np.linalg.norm(g - r) / np.linalg.norm(r) for g, r in zip(got, ref)]
             print(f"| {case} | {name} | " + " | ".join(f"{e:.1e}" for e in rel) + " |", flush=True)
+            if FLAGS.worst_tokens:
+                print(f"|   | worst dq tokens: {worst_tokens(got[2], ref[2], FLAGS.worst_tokens)} | |", flush=True)
+
+
+def worst_tokens(got, ref, n):
+    """The n positions t (descending error) of largest ||got[:, t] - ref[:, t]|| / ||ref[:, t]|| over batch and
+    heads, as "t (error)"."""
+    per_token = np.sqrt(((got - ref) ** 2).sum(axis=(0, 2, 3)) / np.maximum((ref ** 2).sum(axis=(0, 2, 3)), 1e-30))
+    return ", ".join(f"{t} ({per_token[t]:.1e})" for t in np.argsort(per_token)[::-1][:n])
 
 
 if __name__ == "__main__":

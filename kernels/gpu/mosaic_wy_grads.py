@@ -85,8 +85,7 @@ from deltajax.kernels.gpu.common import split_bf16_in_xla
 F32, BF16 = mc.F32, mc.BF16
 CHUNK = 64
 # K and V each. V comes in pieces of HALF columns, one per warpgroup at V = 128; at V = 64 warpgroup 1 has no piece
-# and forms dk only. Wider heads go in blocks of BLOCK (K and V of 256: two blocks each), one CTA per (key block,
-# value block), whose terms `grads` sums (every gradient is a sum of per-block terms, `_grad_body`).
+# and forms dk only. 256 in blocks of BLOCK (the module docstring, last paragraph).
 HEAD_DIMS = (64, 128, 256)
 BLOCK = 128
 HALF = 64  # the V columns per wgmma operand tile (128-byte rows)
@@ -96,21 +95,16 @@ COL_VECTORS = ("g_hi", "g_lo", "doc")
 
 
 def _grad_body(*refs, scale, num_heads, group, segmented, threads, u_from_t, key_blocks, value_blocks):
-    """One chunk i of value head bh = b * Hv + h (`num_heads` = Hv), two warpgroups w = 0, 1 (`_warpgroup`); with
-    heads wider than `BLOCK`, one (key block, value block) of them (`key_blocks` x `value_blocks` CTAs per chunk and
-    head, next to each other in the launch order). Every gradient is a sum of terms, each linear in one V block's
-    cotangents (dO, dx, u, dS_end) and in one K block's contractions (K S_0, K dS_end, Q K^T, K K^T: sums over the
-    key channels), so a CTA forms its block's terms as if its blocks were the whole head, with v's term in dbeta
-    (rowsum(dx (.) v)) and dv in key block 0 only. dq and dk: the K block's columns, summed over the V blocks in
-    `grads`; the per-token shares: one per warpgroup and block, summed there too. The
-    GMEM inputs: q, k (B, Tp, H, K), read at key head h // `group`; v, dO; u's bf16 (hi, lo) halves (B, Tp, Hv, V)
-    each, or (`u_from_t`) T's bf16 pair (2, B, Tp, Hv, C), from which the kernel forms u itself; dx's halves; the
-    start states and end-state cotangents; vec_ref: `token_vectors` (6, B*Hv, Tp). Outputs: dq, dk (value blocks,
-    B, Tp, Hv, K), bf16, or fp32 where `group` > 1 or there are two value blocks (`grads` sums them); dv (B, Tp, Hv,
-    V) bf16; each warpgroup's share of dbeta, of dL/dG's per-token terms and of the end terms (2 x blocks, B*Hv, Tp)
-    fp32, and of the survival row sums (2 x value blocks, B*Hv, nt*K). SMEM: the inputs by V piece (u_s, x_s: [piece, hi/lo]), the dP and dA_k pairs (p_s, a_s:
-    [hi/lo]; Z's pair and a tile of ones at the end), the vectors. With `u_from_t`, T's pair arrives in the tiles of
-    u's second piece (`_warpgroup`)."""
+    """One chunk i of value head bh = b * Hv + h (`num_heads` = Hv), two warpgroups w = 0, 1 (`_warpgroup`); with heads
+    wider than `BLOCK`, one of its `key_blocks` x `value_blocks` blocks (the module docstring; a chunk's blocks are next
+    to each other in the launch order). The GMEM inputs: q, k (B, Tp, H, K), read at key head h // `group`; v, dO; u's
+    bf16 (hi, lo) halves (B, Tp, Hv, V) each, or (`u_from_t`) T's bf16 pair (2, B, Tp, Hv, C), from which the kernel
+    forms u itself; dx's halves; the start states and end-state cotangents; vec_ref: `token_vectors` (6, B*Hv, Tp).
+    Outputs: dq, dk (value blocks, B, Tp, Hv, K), bf16, or fp32 where `group` > 1 or there are two value blocks (`grads`
+    sums them); dv (B, Tp, Hv, V) bf16; each warpgroup's share of dbeta, of dL/dG's per-token terms and of the end terms
+    (2 x blocks, B*Hv, Tp) fp32, and of the survival row sums (2 x value blocks, B*Hv, nt*K). SMEM: the inputs by V
+    piece (u_s, x_s: [piece, hi/lo]), the dP and dA_k pairs (p_s, a_s: [hi/lo]; Z's pair and a tile of ones at the end),
+    the vectors. With `u_from_t`, T's pair arrives in the tiles of u's second piece (`_warpgroup`)."""
     n_in = 10 if u_from_t else 11
     inputs, outputs, tiles = refs[:n_in], refs[n_in:n_in + 7], refs[n_in + 7:]
     if u_from_t:
@@ -426,7 +420,8 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     vectors = token_vectors(g, beta, carry, tail, doc) if vectors is None else vectors
     bh_vector = jax.ShapeDtypeStruct((2 * blocks, B * H, Tp), F32)  # one share per warpgroup and block
     # dq and dk per value head and V block; in fp32 where those are summed below, so that they are rounded once.
-    dqk_dtype = q.dtype if group == value_blocks == 1 else F32
+    summed = group > 1 or value_blocks > 1
+    dqk_dtype = F32 if summed else q.dtype
     dqk_type = jax.ShapeDtypeStruct((value_blocks, B, Tp, H, K), dqk_dtype)
     out_type = (dqk_type, dqk_type, jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), bh_vector, bh_vector, bh_vector,
                 jax.ShapeDtypeStruct((2 * value_blocks, B * H, nt * K), F32))
@@ -448,7 +443,7 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
         interpret=plgpu.InterpretGPUParams() if interpret else False,
         kernel_name="wy_grads_mosaic")
     dq, dk, dv, *shares = kernel(q, k, v, do, *u_inputs, *dx, starts, dends, vectors)
-    if dqk_dtype == F32:
+    if summed:
         dq, dk = (x.reshape(value_blocks, B, Tp, key_heads, group, K).sum((0, 4)).astype(q.dtype) for x in (dq, dk))
     else:
         dq, dk = dq[0], dk[0]

@@ -83,6 +83,9 @@ VARIANTS = {
     "tolerant_bf16": dict(grad_k_dots="bf16", state_dots="bf16"),
     # "split" everywhere: the defaults before 2026-11-23 evening.
     "all_split": dict(grad_k_dots="split", state_dots="split"),
+    # "staged" (K = 256) on bf16 saved states, the default there until 2026-12-04 (`wy_chunk.STAGED_GRAD_K_DOTS`):
+    # against "default", what the fp32 states cost.
+    "bf16_states": dict(grad_k_dots="bf16", state_storage="bf16"),
     # Output chunk-parallel after a state-only pass (wy_chunk.OUTPUT_METHODS); "split" with the pass's BV as the
     # default picks it, "split_bv16" / "split_bv32" with it fixed.
     "split": dict(output_method="split"),

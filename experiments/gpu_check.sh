@@ -34,7 +34,7 @@ if want sweep; then
 fi
 if want precision; then
   timeout ${PRECISION_TIMEOUT:-120} python3 experiments/kernel_precision.py --size="${PRECISION_SIZE:-2x1024x2x128}" \
-    --variants="${PRECISION_VARIANTS:-default}" 2>&1 | grep --line-buffered -v Warning | tee "$OUT/precision.log"
+    --variants="${PRECISION_VARIANTS:-default}" ${PRECISION_EXTRA:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/precision.log"
 fi
 if want tests; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider $PARALLEL tests/kernels/test_gpu_wy_chunk.py -k "${TESTS:-gpu_bf16 or gpu_fp16 or gpu_fp32 or gpu_adversarial or gpu_dispatch}" \

@@ -2,8 +2,9 @@
 
     python experiments/kernel_precision.py --variants=default,all_bf16 --cases=random,correlated
     python experiments/kernel_precision.py --interpret   # on CPU: bf16 rounding is emulated exactly
-    python experiments/kernel_precision.py --size=8x600x2x256 --variants=default,states_fp32,grad_split \
-        --cases=random --worst_tokens=5   # dq of the staged gradient kernels at K = 256 (docs/kernels.md)
+    python experiments/kernel_precision.py --size=8x600x2x256 --cases=random --worst_tokens=5 \
+        --variants=default,bf16_states,bf16_products_fp32_states,bf16_states_one_stage,bf16_states_bk64,\
+bf16_states_k_warps4   # dq of the staged gradient kernels at K = 256 on bf16 states (docs/kernels.md)
 
 Each case draws bf16 inputs (the scan sees the same rounded values in fp32) and prints the relative error of o, the
 final state and every gradient (loss <o, W_o> + <S, W_s> with fixed non-constant weights). Bounds of the GPU tests:
@@ -56,6 +57,15 @@ VARIANTS = {
     "grad_fused_bk64": dict(grad_method="fused", grad_block_v=32, grad_block_k=64),
     "grad_staged": dict(grad_method="staged", grad_block_v=64, grad_block_k=64),
     "grad_staged_bk128": dict(grad_method="staged", grad_block_v=64, grad_block_k=128),
+    # "staged" (K = 256) on bf16 saved states, whose compiled dq exceeded its bound (docs/kernels.md, "dq of the
+    # staged gradient kernels at K = 256"; the default there keeps fp32 states), and what might locate the fault:
+    # bf16 products of fp32 states, one pipeline stage (no software pipelining of part 2's loop over V blocks),
+    # narrower K blocks, fewer warps in part 2.
+    "bf16_states": dict(grad_k_dots="bf16", state_storage="bf16"),
+    "bf16_products_fp32_states": dict(grad_k_dots="bf16", state_storage="fp32"),
+    "bf16_states_one_stage": dict(grad_k_dots="bf16", state_storage="bf16", stages=1),
+    "bf16_states_bk64": dict(grad_k_dots="bf16", state_storage="bf16", grad_block_k=64),
+    "bf16_states_k_warps4": dict(grad_k_dots="bf16", state_storage="bf16", grad_k_warps=4),
 }
 CASES = ("random", "correlated", "strong_decay")
 NAMES = ("o", "state", "dq", "dk", "dv", "dbeta", "dlog_decay", "dh0")

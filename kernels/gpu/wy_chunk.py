@@ -1438,6 +1438,12 @@ INVERSE_DOTS = "split"
 GRAD_DOTS = "split"
 GRAD_K_DOTS = "bf16"
 STATE_DOTS = "bf16"
+# "staged" (K above MERGED_MAX_K) keeps its part 2 products "split" on fp32 saved states: with bf16 ones its compiled
+# dq reached 3.7e-3 to 7.3e-3 against the fp32 scan on the H200 (over the 6e-3 bound on some draws; 2.2e-3 in the
+# interpreter), the error at the chunks' first tokens, where dq is mostly the state term dO S_0^T; with fp32 states
+# 2.1e-3 on the same draws (docs/kernels.md, "dq of the staged gradient kernels at K = 256"). Callers whose own
+# kernels write or read bf16 states (the Mosaic GPU path) ask for them with `default_config(bf16_states=True)`.
+STAGED_GRAD_K_DOTS = "split"
 # Storage between kernels, where the consumers' products allow it (`Config.inverse_storage`, `state_storage`): T
 # for the gradient kernels that read it ("fused", "staged" recomputing u and dx) as its bf16 (hi, lo) pair whenever
 # its products are "split"; the saved states and end-state cotangents in bf16 whenever every product reading them
@@ -1496,7 +1502,9 @@ def default_grad_method(key_dim):
     return "staged" if GRAD_METHOD == "merged" and key_dim > MERGED_MAX_K else GRAD_METHOD
 
 
-def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gated=True):
+def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gated=True, bf16_states=False):
+    """The config of one call (the choices above). `bf16_states`: part 2's products in bf16, so bf16 saved states for
+    bfloat16 inputs, with "staged" too (`STAGED_GRAD_K_DOTS`), for a caller whose own kernels use those states."""
     K, V = q.shape[3], v.shape[3]
     fp32 = jnp.dtype(q.dtype) == jnp.float32
     mode = lambda chosen: "highest" if fp32 else chosen
@@ -1507,7 +1515,8 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
     grad_bv, grad_bk, grad_k_warps = GRAD_BLOCKS[grad_method]
     block_v, output_method, pass_stages = sequential_layout(q.shape[0] * v.shape[2], K, V,
                                                             bf16=jnp.dtype(q.dtype) == jnp.bfloat16)
-    inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), tolerant(STATE_DOTS), tolerant(GRAD_K_DOTS)
+    grad_k_dots = STAGED_GRAD_K_DOTS if grad_method == "staged" and not bf16_states else GRAD_K_DOTS
+    inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), tolerant(STATE_DOTS), tolerant(grad_k_dots)
     rounded_states = grad_method in ROUNDING_GRAD_METHODS and state_dots == grad_k_dots == "bf16"
     return Config(
         scale=float(scale), chunk_size=chunk_size, key_heads=q.shape[2], value_heads=v.shape[2], delta=delta,

@@ -3,7 +3,8 @@
     python experiments/bench_kda_gpu.py --sizes=8x2048x16x128 --variants=default,rows,bv128
     python experiments/bench_kda_gpu.py --interpret --sizes=1x128x2x32 --iters=1   # CPU smoke run
 
-Each variant overrides fields of `kda.default_config` (see VARIANTS; bf16 inputs, Hv = H, K = V = D, chunk 64).
+Each variant overrides fields of `kda.default_config` (see VARIANTS; bf16 inputs, Hv = H, K = D, V = D or
+--value_dim, chunk 64).
 Columns: the XLA glue before the kernels (compensated cumsum), the prepare kernel (P, T), the forward pass without
 and with the saved chunk states, the reverse pass, the two gradient kernels, then forward and forward+backward through
 `kda_chunk` (medians of --iters runs, block_until_ready), and optionally the relative errors against the fp32 scan
@@ -24,7 +25,8 @@ import _timing as timing  # experiments/
 from _kernel_inputs import kernel_inputs  # experiments/
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = V = D, Hv = H).")
+flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = D, V = D or --value_dim, Hv = H).")
+flags.DEFINE_integer("value_dim", 0, "V apart from D (0: V = D), in --sizes and --error_size.")
 flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
 flags.DEFINE_integer("iters", 20, "Timed runs (median reported).")
 flags.DEFINE_bool("per_kernel", True, "Also time each kernel alone.")
@@ -167,7 +169,7 @@ def median_ms(fn, *args, iters):
 
 
 def inputs(B, T, H, D, seed=0):
-    return kernel_inputs(B, T, H, D, per_channel=True, seed=seed)
+    return kernel_inputs(B, T, H, D, per_channel=True, seed=seed, value_dim=FLAGS.value_dim or None)
 
 
 def make_config(name, q, v, D):
@@ -189,7 +191,7 @@ def variant_errors(name):
     q, k, v, beta, log_decay = inputs(B, T, H, D, seed=1)
     cfg = make_config(name, q, v, D)
     f32 = lambda x: x.astype(jnp.float32)
-    weights = jnp.cos(0.37 * jnp.arange(B * T * H * D, dtype=jnp.float32)).reshape(B, T, H, D)
+    weights = jnp.cos(0.37 * jnp.arange(v.size, dtype=jnp.float32)).reshape(v.shape)
 
     def loss(fn, *a):
         o, s = fn(*a)
@@ -215,7 +217,7 @@ def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
     it = FLAGS.iters
     doc = jnp.zeros((B, T), jnp.int32)
     ones = jnp.ones((B, T), jnp.float32)
-    h0 = jnp.zeros((B, H, D, D), jnp.float32)
+    h0 = jnp.zeros((B, H, D, v.shape[-1]), jnp.float32)
     # with `backward_operands="saved"` the forward's operand kernel also writes the backward's tiles
     phase = "both" if cfg.backward_operands == "saved" and cfg.operands == "stored" else "forward"
     cum = jax.jit(lambda q, k, g: kda._gates_and_operands(cfg, q, k, g, ones, ones, phase))

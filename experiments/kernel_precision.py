@@ -2,7 +2,7 @@
 
     python experiments/kernel_precision.py --variants=default,all_bf16 --cases=random,correlated
     python experiments/kernel_precision.py --interpret   # on CPU: bf16 rounding is emulated exactly
-    python experiments/kernel_precision.py --size=8x600x2x256 --cases=random --worst_tokens=5 \
+    python experiments/kernel_precision.py --size=8x600x4x256x128 --cases=random --worst_tokens=5 \
         --variants=default,bf16_states,bf16_products_fp32_states,bf16_states_one_stage,bf16_states_bk64,\
 bf16_states_k_warps4   # dq of the staged gradient kernels at K = 256 on bf16 states (docs/kernels.md)
 
@@ -24,7 +24,8 @@ from deltajax.rules.scan import recurrent_scan
 FLAGS = flags.FLAGS
 flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
 flags.DEFINE_list("cases", ["random", "correlated", "strong_decay"], "Names from CASES.")
-flags.DEFINE_string("size", "1x500x2x128", "BxTxHxD (K = V = D, Hv = 2H, packed documents, initial state).")
+flags.DEFINE_string("size", "1x500x2x128", "BxTxHxD (K = V = D) or BxTxHxKxV (Hv = 2H, packed documents, an "
+                    "initial state).")
 flags.DEFINE_bool("interpret", False, "Run the kernels in Pallas's interpreter.")
 flags.DEFINE_integer("worst_tokens", 0, "Also print the N tokens of largest relative dq error (by position in the "
                      "sequence, over batch and heads; the positions mod 64 say where in the chunk the error sits).")
@@ -71,13 +72,14 @@ CASES = ("random", "correlated", "strong_decay")
 NAMES = ("o", "state", "dq", "dk", "dv", "dbeta", "dlog_decay", "dh0")
 
 
-def case_inputs(name, B, T, H, D, seed=0):
-    """Packed documents, an initial state, beta in (0, 2); `correlated`: near-identical keys, beta -> 2, decay ~ 0."""
-    Hv = 2 * H
+def case_inputs(name, B, T, H, D, seed=0, V=None):
+    """Packed documents, an initial state, beta in (0, 2); `correlated`: near-identical keys, beta -> 2, decay ~ 0.
+    K = D, V = `V` or D."""
+    Hv, V = 2 * H, V or D
     ks = jax.random.split(jax.random.PRNGKey(seed), 8)
     q = jax.random.normal(ks[0], (B, T, H, D))
     k = jax.random.normal(ks[1], (B, T, H, D))
-    v = jax.random.normal(ks[2], (B, T, Hv, D))
+    v = jax.random.normal(ks[2], (B, T, Hv, V))
     beta = jax.random.uniform(ks[3], (B, T, Hv), minval=0.0, maxval=2.0)
     log_decay = jax.nn.log_sigmoid(jax.random.normal(ks[4], (B, T, Hv)) + 3.0)
     if name == "correlated":
@@ -88,7 +90,7 @@ def case_inputs(name, B, T, H, D, seed=0):
         log_decay = -20.0 * jax.random.uniform(ks[4], (B, T, Hv))
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     ids = jnp.cumsum(jax.random.bernoulli(ks[6], 3.0 / T, (B, T)), axis=1).astype(jnp.int32)
-    h0 = 0.5 * jax.random.normal(ks[7], (B, Hv, D, D))
+    h0 = 0.5 * jax.random.normal(ks[7], (B, Hv, D, V))
     rnd = lambda x: x.astype(jnp.bfloat16)
     return dict(q=rnd(q), k=rnd(k), v=rnd(v), beta=beta, log_decay=log_decay, initial_state=h0, segment_ids=ids)
 
@@ -115,12 +117,12 @@ def errors(fn, x, scale):
 
 def main(argv):
     del argv
-    B, T, H, D = (int(x) for x in FLAGS.size.split("x"))
+    B, T, H, D, *V = (int(x) for x in FLAGS.size.split("x"))
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, size {FLAGS.size} (Hv = 2H), relative errors")
     print("| case | variant | " + " | ".join(NAMES) + " |")
     print("|---|---|" + "---|" * len(NAMES))
     for case in FLAGS.cases:
-        x = case_inputs(case, B, T, H, D)
+        x = case_inputs(case, B, T, H, D, V=V[0] if V else None)
         ref_x = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
         ref = errors(recurrent_scan, ref_x, D ** -0.5)
         for name in FLAGS.variants:

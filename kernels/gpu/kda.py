@@ -1974,6 +1974,8 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
     head in the forward pass); the Triton kernels otherwise. The config of the dispatch's "mosaic" implementation
     for KDA."""
     cfg = default_config(q, v, scale=scale, chunk_size=chunk_size, segmented=segmented, interpret=interpret)
+    if q.shape[3] not in mosaic_kda.DISPATCH_KEY_DIMS:  # K = 256: opt-in, not timed yet
+        return cfg
     try:
         mosaic_kda.check_supported(key_dim=q.shape[3], value_dim=v.shape[3], chunk_size=chunk_size, dtype=q.dtype,
                                    block_v=cfg.mosaic_block_v, output_dots=cfg.output_dots)

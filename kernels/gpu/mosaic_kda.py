@@ -22,7 +22,8 @@ S[:, BV j : BV (j+1)] of value head bh and walks the chunks in order, the inputs
 `plgpu.emit_pipeline` (TMA). SMEM at BV = 64: one pipeline stage of 5 C x K operand tiles, the T and P pairs, v and
 the vectors (120.8 KiB), S's pair, the operand pairs of diag(beta) y and u and the output tile (72 KiB): 193 KiB,
 so one stage (two would ask 314 KiB). `_body_shared_head`: one CTA per value head, a producer and two consumer
-warpgroups (its docstring), where V = 2 BV. Supported: K of 64 or 128, V of 64, 128 or 256, C = 64, bf16 inputs
+warpgroups (its docstring), where V = 2 BV. Supported: K of 64, 128 or 256 (at 256 state blocks of 16 columns
+and the one-warpgroup layout; opt-in, `DISPATCH_KEY_DIMS`), V of 64, 128 or 256, C = 64, bf16 inputs
 (`check_supported`).
 """
 
@@ -41,11 +42,16 @@ from deltajax.kernels.gpu.common import split_bf16_in_xla
 
 F32, BF16 = mc.F32, mc.BF16
 CHUNK = 64
-# K: the C x K operand tiles of a pipeline stage take most of the SMEM (at K = 256 even one stage of them with the T
-# and P pairs would not fit beside the state's tiles). V only sets the grid: V / BV CTAs per head.
-KEY_DIMS = (64, 128)
+# K: the C x K operand tiles of a pipeline stage take most of the SMEM. V only sets the grid: V / BV CTAs per head.
+KEY_DIMS = (64, 128, 256)
 VALUE_DIMS = (64, 128, 256)
 BLOCK_VS = (32, 64)
+# At K = 256 one stage's five operand tiles take 160 KiB, so the state blocks are 16 columns wide: lowered for an
+# H100 at 32 the forward pass asked 256,008 bytes of SMEM (232,448 available), at 16 both passes fit. Not compiled
+# or timed on a GPU yet, so the dispatch's "mosaic" runs KDA's Mosaic passes at `DISPATCH_KEY_DIMS` only (K = 256
+# is opt-in: `kda.Config.pass_backend` / `reverse_backend` "mosaic" with `mosaic_block_v=WIDE_KEY_BLOCK_V`).
+WIDE_KEY_DIM, WIDE_KEY_BLOCK_V = 256, 16
+DISPATCH_KEY_DIMS = (64, 128)
 STAGES = 1  # chunks in flight in the TMA pipeline: two stages do not fit SMEM (module docstring)
 PRODUCER_REGISTERS = 40  # per thread of the shared-head kernel's producer warpgroup; the consumers get 232
 OUTPUT_DOTS = ("split", "bf16")
@@ -60,7 +66,10 @@ def check_supported(*, key_dim, value_dim, chunk_size, dtype, block_v, output_do
         raise ValueError(f"the Mosaic KDA pass takes chunk_size {CHUNK}, got {chunk_size}")
     if jnp.dtype(dtype) != BF16:
         raise ValueError(f"the Mosaic KDA pass takes bfloat16 q/k/v, got {jnp.dtype(dtype).name}")
-    if block_v not in BLOCK_VS:
+    if key_dim == WIDE_KEY_DIM and block_v != WIDE_KEY_BLOCK_V:
+        raise ValueError(f"the Mosaic KDA pass at K={key_dim} takes block_v={WIDE_KEY_BLOCK_V} (shared memory), got "
+                         f"{block_v}")
+    if key_dim != WIDE_KEY_DIM and block_v not in BLOCK_VS:
         raise ValueError(f"the Mosaic KDA pass takes block_v in {BLOCK_VS}, got {block_v}")
     if output_dots not in OUTPUT_DOTS:
         raise ValueError(f"output_dots must be one of {OUTPUT_DOTS}, got {output_dots!r}")
@@ -424,7 +433,7 @@ def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", blo
     (B, Hv, nt*K) fp32. v (B, Tp, Hv, V) bf16; beta (B, Tp, Hv) fp32; T and P (B, Tp, Hv, C) each as its bf16
     (hi, lo) pair, as `kda._prepare` writes them for this pass (or fp32, split here); h0 (B, Hv, K, V) fp32. Tp a
     multiple of 64. `shared_head`: one CTA per value head (`_body_shared_head`, V blocks of 64), else one warpgroup
-    per V block of `block_v` (`_body`)."""
+    per V block of `block_v` (`_body`; 16 columns at K = 256)."""
     *tiles, gamma = operands
     B, Tp, Hv, V = v.shape
     K = tiles[0].shape[-1]

@@ -98,8 +98,8 @@ def test_adversarial_in_interpreter(family, variant):
     _against_triton(x, f"mosaic-{variant}-{family}", **VARIANTS[variant])
 
 
-# K or V of 64, V of 256 (`mosaic_kda.KEY_DIMS`, `VALUE_DIMS`), with the layouts each takes: V blocks of 64 or 32
-# columns, and at V = 128 one CTA per head.
+# K or V of 64, V of 256 (`mosaic_kda.DISPATCH_KEY_DIMS`, `VALUE_DIMS`), with the layouts each takes: V blocks of
+# 64 or 32 columns, and at V = 128 one CTA per head.
 OTHER_HEAD_DIMS = [(64, 64), (64, 128), (128, 64), (128, 256), (64, 256)]
 
 
@@ -128,6 +128,27 @@ def test_other_head_dims_gradients_through_both_mosaic_passes_in_interpreter(K, 
     _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"mosaic-reverse-{K}x{V}")
     triton = dataclasses.replace(mosaic, pass_backend="triton", reverse_backend="triton")
     _assert_equal_up_to_16_bit_rounding(_grads(_fn(mosaic), x), _grads(_fn(triton), x), per_element=False)
+
+
+def test_wide_keys_through_both_mosaic_passes_in_interpreter():
+    """K = 256 (opt-in, state blocks of 16 columns: `mosaic_kda.WIDE_KEY_BLOCK_V`), both passes in Mosaic GPU:
+    the outputs and every gradient at the bf16 bounds against the scan, and equal to those through the Triton passes
+    up to the 16-bit rounding flips."""
+    x = _bf16_case(_inputs(T=130, B=1, H=1, Hv=2, K=256, V=64))
+    mosaic = _config(x, pass_backend="mosaic", reverse_backend="mosaic", mosaic_block_v=mosaic_kda.WIDE_KEY_BLOCK_V)
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label="mosaic-reverse-256x64")
+    triton = dataclasses.replace(mosaic, pass_backend="triton", reverse_backend="triton")
+    _assert_equal_up_to_16_bit_rounding(_call(_fn(mosaic), x), _call(_fn(triton), x), per_element=False,
+                                        fp32_tol=FLIPPED_STATE_TOL)
+    _assert_equal_up_to_16_bit_rounding(_grads(_fn(mosaic), x), _grads(_fn(triton), x), per_element=False)
+
+
+@pytest.mark.parametrize("block_v", [32, 64])
+def test_wide_keys_refuse_wider_state_blocks(block_v):
+    """At K = 256 one stage's operand tiles leave SMEM for state blocks of 16 columns only."""
+    x = _bf16_case(_inputs(T=64, B=1, H=1, Hv=1, K=256, V=64))
+    with pytest.raises(ValueError, match="at K=256 takes block_v=16"):
+        _call(_fn(_config(x, pass_backend="mosaic", mosaic_block_v=block_v)), x)
 
 
 def _pass_outputs(cfg, x):
@@ -278,11 +299,11 @@ def test_unsupported_configs_raise(overrides, match):
 
 
 def test_unsupported_inputs_raise():
-    """K other than 64 and 128 (256 included), V other than 64, 128 and 256, and 16-bit inputs other than bf16 are
-    named in the error."""
-    for K, V in ((32, D), (256, D), (D, 32)):
+    """K other than 64, 128 and 256, V other than 64, 128 and 256, and 16-bit inputs other than bf16 are named in
+    the error (K = 256 with blocks wider than 16: `test_wide_keys_refuse_wider_state_blocks`)."""
+    for K, V in ((32, D), (16, D), (D, 32)):
         x = _bf16_case(_inputs(T=70, B=1, H=1, Hv=1, K=K, V=V))
-        with pytest.raises(ValueError, match=rf"K in \(64, 128\) and V in \(64, 128, 256\), got K={K}, V={V}"):
+        with pytest.raises(ValueError, match=rf"K in \(64, 128, 256\) and V in \(64, 128, 256\), got K={K}, V={V}"):
             _call(_fn(_config(x, pass_backend="mosaic")), x)
     y = _inputs(T=70, B=1, H=1, Hv=1, K=D, V=D)
     y = dict(y, **{n: y[n].astype(jnp.float16) for n in ("q", "k", "v")}, scale=1.0)
@@ -417,6 +438,21 @@ def test_other_head_dims_lower_for_cuda(K, V):
         assert _lowered_for_cuda(_gradient_of(_call_with(lambda: cfg)), args).count("custom_call @mosaic_gpu_v2") == 2
 
 
+@pytest.mark.parametrize("V", [64, 256])
+def test_wide_keys_lower_for_cuda(V):
+    """K = 256 with state blocks of 16 columns: the call and its gradient with both Mosaic passes lowered for an
+    abstract H100, which also checks their shared memory (Mosaic GPU refuses more than 232,448 bytes there; at 32
+    columns the forward pass asked 256,008)."""
+    args = _abstract_call(K=256, V=V)
+    cfg = _abstract_config(args, pass_backend="mosaic", reverse_backend="mosaic",
+                           mosaic_block_v=mosaic_kda.WIDE_KEY_BLOCK_V)
+    assert _lowered_for_cuda(_call_with(lambda: cfg), args).count("custom_call @mosaic_gpu_v2") == 1
+    assert _lowered_for_cuda(_gradient_of(_call_with(lambda: cfg)), args).count("custom_call @mosaic_gpu_v2") == 2
+    wider = dataclasses.replace(cfg, mosaic_block_v=32)
+    with pytest.raises(ValueError, match="at K=256 takes block_v=16"):
+        _lowered_for_cuda(_call_with(lambda: wider), args)
+
+
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 
 # T, packed, initial state, (H, Hv), variant
@@ -450,6 +486,18 @@ def test_gpu_other_head_dims_match_scan(K, V):
     for variant in _other_dims_variants(V):
         cfg = _config(x, pass_backend="mosaic", reverse_backend="mosaic", **VARIANTS[variant])
         _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(cfg), label=f"gpu-mosaic-{K}x{V}-{variant}")
+
+
+@gpu_only
+@pytest.mark.parametrize("V", [64, 128, 256])
+@pytest.mark.parametrize("family", [None, *ADVERSARIAL])
+def test_gpu_wide_keys_match_scan(family, V):
+    """Compiled, K = 256 (opt-in; state blocks of 16 columns), both passes in Mosaic GPU: outputs, final state and
+    every gradient against the fp32 scan at the bf16 bounds, on random inputs and the adversarial families."""
+    shape = dict(B=2, T=500, H=2, Hv=4, K=256, V=V)
+    x = _bf16_case(_inputs(**shape) if family is None else _adversarial(family, **shape))
+    cfg = _config(x, pass_backend="mosaic", reverse_backend="mosaic", mosaic_block_v=mosaic_kda.WIDE_KEY_BLOCK_V)
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(cfg), label=f"gpu-mosaic-256x{V}-{family}")
 
 
 @gpu_only

@@ -635,7 +635,7 @@ def _assert_equal_up_to_16_bit_rounding(first, second, *, per_element=True, fp32
     many for fp16, whose ulp is 8 times finer (so rounding flips 8 times as often).
 
     Without `per_element`, 16-bit leaves are held to 5e-4 relative (a sixth of the bf16 output bound against the
-    scan) instead of one ulp per element: where an fp32 intermediate that differs in its last bits becomes a bf16
+    scan) where they are not within one ulp per element as above: where an fp32 intermediate that differs in its last bits becomes a bf16
     product operand (beta dx in dx S_0^T), a flipped operand rounding moves one term by 2^-8 of itself, which
     exceeds an ulp of an output that cancels (measured on the H100: one element of dk in 16640). The same bound then
     holds the fp32 leaves, since the flipped term reaches them too: d(log_decay) sums k (.) dk, and the in-chunk
@@ -659,11 +659,13 @@ def _assert_equal_up_to_16_bit_rounding(first, second, *, per_element=True, fp32
         # plus the fp32 paths' own difference, which decides the rounding of elements near zero
         ulp = ulp + 1e-5 * jnp.max(magnitude)
         differing = int(jnp.sum(a != b))
-        if per_element:
-            allowed = 0.005 * 2 ** (mantissa_bits - 7) * a.size
-            close = bool(jnp.all(jnp.abs(a - b) <= ulp)) and differing <= allowed
-        else:
-            close = relative_error(a, b) <= 5e-4
+        allowed = 0.005 * 2 ** (mantissa_bits - 7) * a.size
+        one_ulp_flips = bool(jnp.all(jnp.abs(a - b) <= ulp)) and differing <= allowed
+        # Without `per_element` either measure holds: a few one-ulp flips at a leaf's largest elements alone can
+        # exceed 5e-4 of a leaf whose norm they dominate (seed 26 of the 64/64 case of
+        # `test_mosaic_kda.py::test_other_head_dims_gradients_through_both_mosaic_passes_in_interpreter`: 14 flips
+        # in dk, two of them 0.0625 at |dk| of 8 and 12 where its rms is 1.9, 5.7e-4).
+        close = one_ulp_flips if per_element else one_ulp_flips or relative_error(a, b) <= 5e-4
         assert close, (a.shape, differing, relative_error(a, b))
 
 

@@ -635,10 +635,10 @@ def _assert_equal_up_to_16_bit_rounding(first, second, *, per_element=True, fp32
     many for fp16, whose ulp is 8 times finer (so rounding flips 8 times as often).
 
     Without `per_element`, 16-bit leaves are held to 5e-4 relative (a sixth of the bf16 output bound against the
-    scan) where they are not within one ulp per element as above: where an fp32 intermediate that differs in its last bits becomes a bf16
-    product operand (beta dx in dx S_0^T), a flipped operand rounding moves one term by 2^-8 of itself, which
-    exceeds an ulp of an output that cancels (measured on the H100: one element of dk in 16640). The same bound then
-    holds the fp32 leaves, since the flipped term reaches them too: d(log_decay) sums k (.) dk, and the in-chunk
+    scan) where they are not within one ulp per element as above: where an fp32 intermediate that differs in its
+    last bits becomes a bf16 product operand (beta dx in dx S_0^T), a flipped operand rounding moves one term by
+    2^-8 of itself, which exceeds an ulp of an output that cancels (measured on the H100: one element of dk in
+    16640). The same bound then holds the fp32 leaves, since the flipped term reaches them too: d(log_decay) sums k (.) dk, and the in-chunk
     reverse cumsum carries one token's change to every earlier token of its chunk (CI, seed 1295721512: token 2's
     terms changed in 28 of 64 channels of one head, which moved d(log_decay) at tokens 0-2 by the same amounts and
     nowhere else, 5.7e-5 relative; 12 more draws: at most 4.2e-6 in 11, 3.2e-5 in one). The count of differing

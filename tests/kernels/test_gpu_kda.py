@@ -638,13 +638,14 @@ def _assert_equal_up_to_16_bit_rounding(first, second, *, per_element=True, fp32
     scan) where they are not within one ulp per element as above: where an fp32 intermediate that differs in its
     last bits becomes a bf16 product operand (beta dx in dx S_0^T), a flipped operand rounding moves one term by
     2^-8 of itself, which exceeds an ulp of an output that cancels (measured on the H100: one element of dk in
-    16640). The same bound then holds the fp32 leaves, since the flipped term reaches them too: d(log_decay) sums k (.) dk, and the in-chunk
-    reverse cumsum carries one token's change to every earlier token of its chunk (CI, seed 1295721512: token 2's
-    terms changed in 28 of 64 channels of one head, which moved d(log_decay) at tokens 0-2 by the same amounts and
-    nowhere else, 5.7e-5 relative; 12 more draws: at most 4.2e-6 in 11, 3.2e-5 in one). The count of differing
-    elements is then no bound either: the moved term reaches every later output of its chunk through the state, and
-    with correlated keys and beta near 2 the reverse pass amplifies it (CI, seed 1865190574, the two reverse passes:
-    dk differed in 209 of 16640 elements, in 58 of 130 tokens, 2.5e-4 relative; dv in 48 of 33280, 1.5e-4).
+    16640). The same bound then holds the fp32 leaves, since the flipped term reaches them too: d(log_decay) sums k
+    (.) dk, and the in-chunk reverse cumsum carries one token's change to every earlier token of its chunk (CI, seed
+    1295721512: token 2's terms changed in 28 of 64 channels of one head, which moved d(log_decay) at tokens 0-2 by
+    the same amounts and nowhere else, 5.7e-5 relative; 12 more draws: at most 4.2e-6 in 11, 3.2e-5 in one). The
+    count of differing elements is then no bound either: the moved term reaches every later output of its chunk
+    through the state, and with correlated keys and beta near 2 the reverse pass amplifies it (CI, seed 1865190574,
+    the two reverse passes: dk differed in 209 of 16640 elements, in 58 of 130 tokens, 2.5e-4 relative; dv in 48 of
+    33280, 1.5e-4).
     `fp32_tol` sets the fp32 leaves' bound alone (the 16-bit leaves keep theirs)."""
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
         if a.dtype == jnp.float32:

@@ -688,9 +688,10 @@ def _reverse_pass(cfg, q, k, do, t_pair, vectors, doc, survive, dfinal, *, scale
     return dh0, dends, (dx_hi, dx_lo)
 
 
-def _triton_config(q, v, *, scale, segmented, interpret):
+def _triton_config(q, v, *, scale, segmented, interpret, gated=True):
+    """The Triton kernels' config beside the Mosaic ones: bf16 saved states, which the Mosaic kernels write and read."""
     return wy_chunk.default_config(q, v, scale=scale, chunk_size=CHUNK, delta=True, segmented=segmented,
-                                   interpret=interpret, bf16_states=True)
+                                   interpret=interpret, gated=gated, bf16_states=True)
 
 
 def _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, *, key_dim, segmented, interpret):
@@ -904,9 +905,8 @@ def chunk_wy_mosaic(q, k, v, beta, log_decay, *, scale, initial_state, segment_i
     if cfg.p_operand == "registers" and interpret:
         raise ValueError("p_operand='registers' does not run in the Mosaic GPU interpreter (it takes wgmma's A from "
                          "SMEM only); use 'smem' there")
-    triton_cfg = wy_chunk.default_config(q, v, scale=scale, chunk_size=chunk_size, delta=True,
-                                         segmented=segment_ids is not None, interpret=bool(interpret),
-                                         gated=log_decay is not None, bf16_states=True)
+    triton_cfg = _triton_config(q, v, scale=scale, segmented=segment_ids is not None, interpret=bool(interpret),
+                                gated=log_decay is not None)
     static = (cfg, triton_cfg, float(scale), segment_ids is not None, bool(interpret))
     args = wy_chunk.padded_call_inputs(q, k, v, beta, log_decay, initial_state, segment_ids, chunk_size)
     o, final = _wy_mosaic(static, *args)

@@ -83,9 +83,11 @@ VARIANTS = {
     "tolerant_bf16": dict(grad_k_dots="bf16", state_dots="bf16"),
     # "split" everywhere: the defaults before 2026-11-23 evening.
     "all_split": dict(grad_k_dots="split", state_dots="split"),
-    # "staged" (K = 256) on bf16 saved states, the default there until 2026-12-04 (`wy_chunk.STAGED_GRAD_K_DOTS`):
-    # against "default", what the fp32 states cost.
-    "bf16_states": dict(grad_k_dots="bf16", state_storage="bf16"),
+    # "staged" (K = 256): part 2 in two pipeline stages (its compiled dq wrong on bf16 states; the default until
+    # 2026-12-04) and fp32 saved states with "split" part-2 products (the default of 2026-12-04-05): against
+    # "default" (one stage, `wy_chunk.STAGED_GRAD_K_STAGES`), what one stage costs.
+    "part2_two_stages": dict(grad_k_stages=2),
+    "fp32_states": dict(grad_k_dots="split"),
     # Output chunk-parallel after a state-only pass (wy_chunk.OUTPUT_METHODS); "split" with the pass's BV as the
     # default picks it, "split_bv16" / "split_bv32" with it fixed.
     "split": dict(output_method="split"),

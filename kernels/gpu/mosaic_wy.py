@@ -220,14 +220,9 @@ def mosaic_forward_min_batch_heads(key_dim, value_dim):
 def check_config(cfg, key_dim, value_dim):
     """The knobs that depend on the head dims (`Config` checks the others): one CTA per head takes K = V =
     `HEAD_DIM` only, u formed in the Mosaic gradient kernel V = 128 and K of at most 128, K = 256 narrow state
-    blocks, the Triton gradient kernels K of at most 128."""
+    blocks."""
     if (key_dim, value_dim) == (HEAD_DIM, HEAD_DIM):
         return
-    if cfg.grads == "triton" and key_dim > wy_chunk.MERGED_MAX_K:
-        # Above it they are "staged", whose compiled dq on bf16 states exceeds its bound (wy_chunk.STAGED_GRAD_K_DOTS).
-        raise ValueError(f"grads='triton' takes K <= {wy_chunk.MERGED_MAX_K} (the Triton gradient kernels need fp32 "
-                         f"saved states above it, the Mosaic passes write bf16 ones), got K={key_dim}; use "
-                         f"grads='mosaic', or impl='pallas'")
     if key_dim == WIDE_KEY_DIM and (cfg.block_v > WIDE_KEY_MAX_BLOCK_V or cfg.stages > WIDE_KEY_MAX_STAGES):
         raise ValueError(f"K={key_dim} fits SMEM with block_v <= {WIDE_KEY_MAX_BLOCK_V} and stages <= "
                          f"{WIDE_KEY_MAX_STAGES}, got block_v={cfg.block_v}, stages={cfg.stages}")
@@ -691,7 +686,7 @@ def _reverse_pass(cfg, q, k, do, t_pair, vectors, doc, survive, dfinal, *, scale
 def _triton_config(q, v, *, scale, segmented, interpret, gated=True):
     """The Triton kernels' config beside the Mosaic ones: bf16 saved states, which the Mosaic kernels write and read."""
     return wy_chunk.default_config(q, v, scale=scale, chunk_size=CHUNK, delta=True, segmented=segmented,
-                                   interpret=interpret, gated=gated, bf16_states=True)
+                                   interpret=interpret, gated=gated)
 
 
 def _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, *, key_dim, segmented, interpret):

@@ -173,6 +173,10 @@ class Config:
     # shared memory and a barrier, behind an un-prefetched load of carry, all on the step's chain (1.52 -> 1.16 ms
     # for the forward pass at 1x32768x16x128 on the H100; docs/kernels.md, "Chunk scalars out of the passes").
     pass_scalars: str = "stored"
+    # Pipeline stages of "staged" part 2, `_grad_k_kernel` (None: `stages`). On bf16 saved states at K = 256 its
+    # dq came out wrong compiled with two stages and right with one (docs/kernels.md, "dq of the staged gradient
+    # kernels at K = 256").
+    grad_k_stages: int | None = None
     # Where the reverse pass gets scale P^T dO, the part of du that does not depend on the state (REVERSE_SCORES).
     reverse_scores: str = "inline"
 
@@ -1307,7 +1311,7 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_params(cfg.grad_k_warps, cfg.stages),
+        compiler_params=_params(cfg.grad_k_warps, cfg.grad_k_stages or cfg.stages),
         interpret=cfg.interpret,
         name="wy_grads_k",
     )(*args)
@@ -1438,12 +1442,11 @@ INVERSE_DOTS = "split"
 GRAD_DOTS = "split"
 GRAD_K_DOTS = "bf16"
 STATE_DOTS = "bf16"
-# "staged" (K above MERGED_MAX_K) keeps its part 2 products "split" on fp32 saved states: with bf16 ones its compiled
-# dq reached 3.7e-3 to 7.3e-3 against the fp32 scan on the H200 (over the 6e-3 bound on some draws; 2.2e-3 in the
-# interpreter), the error at the chunks' first tokens, where dq is mostly the state term dO S_0^T; with fp32 states
-# 2.1e-3 on the same draws (docs/kernels.md, "dq of the staged gradient kernels at K = 256"). Callers whose own
-# kernels write or read bf16 states (the Mosaic GPU path) ask for them with `default_config(bf16_states=True)`.
-STAGED_GRAD_K_DOTS = "split"
+# "staged" (K above MERGED_MAX_K) runs part 2 in one pipeline stage: with two, its compiled dq on bf16 saved states
+# reached 3.7e-3 to 7.3e-3 against the fp32 scan on the H200 (over the 6e-3 bound on some draws; 2.2e-3 in the
+# interpreter), the error at the chunks' first tokens, where dq is mostly the state term dO S_0^T; with one stage
+# 2.2e-3 on the same draw (docs/kernels.md, "dq of the staged gradient kernels at K = 256").
+STAGED_GRAD_K_STAGES = 1
 # Storage between kernels, where the consumers' products allow it (`Config.inverse_storage`, `state_storage`): T
 # for the gradient kernels that read it ("fused", "staged" recomputing u and dx) as its bf16 (hi, lo) pair whenever
 # its products are "split"; the saved states and end-state cotangents in bf16 whenever every product reading them
@@ -1502,9 +1505,8 @@ def default_grad_method(key_dim):
     return "staged" if GRAD_METHOD == "merged" and key_dim > MERGED_MAX_K else GRAD_METHOD
 
 
-def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gated=True, bf16_states=False):
-    """The config of one call (the choices above). `bf16_states`: part 2's products in bf16, so bf16 saved states for
-    bfloat16 inputs, with "staged" too (`STAGED_GRAD_K_DOTS`), for a caller whose own kernels use those states."""
+def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gated=True):
+    """The config of one call (the choices above)."""
     K, V = q.shape[3], v.shape[3]
     fp32 = jnp.dtype(q.dtype) == jnp.float32
     mode = lambda chosen: "highest" if fp32 else chosen
@@ -1515,8 +1517,7 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
     grad_bv, grad_bk, grad_k_warps = GRAD_BLOCKS[grad_method]
     block_v, output_method, pass_stages = sequential_layout(q.shape[0] * v.shape[2], K, V,
                                                             bf16=jnp.dtype(q.dtype) == jnp.bfloat16)
-    grad_k_dots = STAGED_GRAD_K_DOTS if grad_method == "staged" and not bf16_states else GRAD_K_DOTS
-    inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), tolerant(STATE_DOTS), tolerant(grad_k_dots)
+    inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), tolerant(STATE_DOTS), tolerant(GRAD_K_DOTS)
     rounded_states = grad_method in ROUNDING_GRAD_METHODS and state_dots == grad_k_dots == "bf16"
     return Config(
         scale=float(scale), chunk_size=chunk_size, key_heads=q.shape[2], value_heads=v.shape[2], delta=delta,
@@ -1525,6 +1526,7 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
         block_v=block_v, grad_block_v=min(grad_bv, V),
         grad_block_k=min(grad_bk or K, K),
         grad_method=grad_method, warps=4, grad_warps=4, grad_k_warps=grad_k_warps,
+        grad_k_stages=STAGED_GRAD_K_STAGES if grad_method == "staged" else None,
         inverse_warps=INVERSE_WARPS, inverse_method=FP32_INVERSE_METHOD if fp32 else INVERSE_METHOD, stages=2,
         interpret=interpret, inverse_storage=INVERSE_STORAGE if inverse_dots == "split" else "fp32",
         state_storage=STATE_STORAGE if rounded_states else "fp32", grads_from_passes=GRADS_FROM_PASSES[grad_method],

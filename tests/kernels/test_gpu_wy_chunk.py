@@ -327,23 +327,18 @@ def test_default_dots_are_tolerant_for_bf16_inputs_only():
         assert cfg.dots == ("highest" if dtype == jnp.float32 else "split"), dtype
 
 
-@pytest.mark.parametrize("K,bf16_states,expected", [
-    (256, False, ("staged", "split", "fp32")),  # `wy_chunk.STAGED_GRAD_K_DOTS`
-    (256, True, ("staged", "bf16", "bf16")),  # asked for by the Mosaic path, whose passes write bf16 states
-    (128, False, ("merged", "bf16", "bf16")),
-])
-def test_staged_gradients_keep_fp32_states_unless_asked(K, bf16_states, expected):
-    """bfloat16 inputs above `MERGED_MAX_K` ("staged"): part 2's products "split" on fp32 saved states, whose
-    compiled dq held its bound where bf16 states did not (docs/kernels.md, "dq of the staged gradient kernels at
-    K = 256"), unless the caller asks for bf16 states."""
+@pytest.mark.parametrize("K,expected", [(256, ("staged", "bf16", "bf16", 1)), (128, ("merged", "bf16", "bf16", None))])
+def test_staged_gradients_run_part_2_in_one_stage(K, expected):
+    """bfloat16 inputs above `MERGED_MAX_K` ("staged"): bf16 saved states, part 2 in one pipeline stage, where with
+    two its compiled dq exceeded the bound (`wy_chunk.STAGED_GRAD_K_STAGES`; docs/kernels.md, "dq of the staged
+    gradient kernels at K = 256")."""
     x = rule_inputs(fresh_key(), B=1, T=8, H=1, K=K, V=64, dtype=jnp.bfloat16)
-    cfg = default_config(x["q"], x["v"], scale=0.25, chunk_size=64, delta=True, segmented=False, interpret=True,
-                         bf16_states=bf16_states)
-    assert (cfg.grad_method, cfg.grad_k_dots, cfg.state_storage) == expected
+    cfg = default_config(x["q"], x["v"], scale=0.25, chunk_size=64, delta=True, segmented=False, interpret=True)
+    assert (cfg.grad_method, cfg.grad_k_dots, cfg.state_storage, cfg.grad_k_stages) == expected
 
 
 def test_staged_default_config_at_k256_in_interpreter():
-    """The default config at K = 256 (the "staged" gradient kernels on fp32 saved states) at the bf16 bounds;
+    """The default config at K = 256 (the "staged" gradient kernels, part 2 in one stage) at the bf16 bounds;
     `test_gpu_staged_gradients_at_k256` is the same check compiled, on the sizes that found the bf16 states' defect."""
     x = rule_inputs(fresh_key(), B=1, T=130, H=1, Hv=2, K=256, V=64, beta_max=2.0, packed=True,
                     with_initial_state=True)
@@ -641,8 +636,8 @@ def test_gpu_fp32_matches_scan(op, T, decay, packed, init, heads, dims):
 @pytest.mark.parametrize("draw", range(3))
 def test_gpu_staged_gradients_at_k256(draw):
     """The default config at K = 256, V = 128 on the sizes where the "staged" kernels' dq with bf16 saved states
-    reached 7.3e-3 (H200, 2026-12-04; fp32 states since, `wy_chunk.STAGED_GRAD_K_DOTS`), three fresh draws: every
-    gradient within the bf16 bounds."""
+    reached 7.3e-3 with part 2 in two pipeline stages (H200, 2026-12-04; one since, `wy_chunk.STAGED_GRAD_K_STAGES`),
+    three fresh draws: every gradient within the bf16 bounds."""
     x = rule_inputs(fresh_key(), B=8, T=600, H=4, K=256, V=128, beta_max=2.0, packed=True, with_initial_state=True)
     x["scale"] = 256 ** -0.5
     _check(_round_trip_bf16(x), "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)

@@ -269,7 +269,7 @@ def test_other_head_dims_match_scan_in_interpreter(K, V):
         _check(x, config=dataclasses.replace(config, block_v=32))
 
 
-@pytest.mark.parametrize("K,V,grads", [(64, 64, "triton"), (128, 64, "triton"),
+@pytest.mark.parametrize("K,V,grads", [(64, 64, "triton"), (128, 64, "triton"), (256, 128, "triton"),
                                         (64, 64, "mosaic"), (64, 128, "mosaic"), (128, 64, "mosaic"),
                                         (256, 64, "mosaic"), (128, 256, "mosaic"),
                                         (256, 64, "mosaic_after_triton_passes")])
@@ -278,7 +278,7 @@ def test_other_head_dims_gradients_match_scan_in_interpreter(K, V, grads):
     pass the end-state cotangents and dx, for the Triton gradient kernels (`_saves_triton_residuals`; the lowering
     test checks that no Triton forward or reverse pass runs) or the Mosaic one (at 256 in blocks of 128; after the
     Triton passes, as with few heads per call, at K = 256 the "staged" ones, writing u's and dx's pairs for it);
-    every gradient against the fp32 scan's. (The Triton gradient kernels stop at K = 128 here: the refusal test.)"""
+    every gradient against the fp32 scan's."""
     x = rule_inputs(fresh_key(), B=1, T=100, H=2, K=K, V=V, dtype=jnp.bfloat16, beta_max=2.0, packed=True,
                     with_initial_state=True)
     config = mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V)
@@ -291,13 +291,10 @@ def test_other_head_dims_gradients_match_scan_in_interpreter(K, V, grads):
 @pytest.mark.parametrize("K,V,change,message", [
     (64, 64, dict(warpgroups=2, block_v=64), "warpgroups=2 .* takes K = V = 128"),
     (256, 128, dict(grads="mosaic", recompute_u=True), "recompute_u=True .* takes V = 128 and K <= 128, got K=256"),
-    (64, 64, dict(grads="mosaic", recompute_u=True), "recompute_u=True .* takes V = 128 and K <= 128, got K=64, V=64"),
-    (256, 128, dict(grads="triton"), "grads='triton' takes K <= 128 .* got K=256")])
+    (64, 64, dict(grads="mosaic", recompute_u=True), "recompute_u=True .* takes V = 128 and K <= 128, got K=64, V=64")])
 def test_other_head_dims_refuse_what_does_not_fit(K, V, change, message):
     """One CTA per head at K = V = 128 only; the Mosaic gradient kernel forming u itself at V = 128 (T's pair arrives
-    in the tiles of u's second V piece) and K of at most 128 (u needs K S_0 over every key channel) only; the Triton
-    gradient kernels at K of at most 128 (above it "staged", whose compiled dq needs fp32 states, not the Mosaic
-    passes' bf16 ones: docs/kernels.md, "dq of the staged gradient kernels at K = 256")."""
+    in the tiles of u's second V piece) and K of at most 128 (u needs K S_0 over every key channel) only."""
     x = rule_inputs(fresh_key(), B=1, T=64, H=1, K=K, V=V, dtype=jnp.bfloat16)
     base = mosaic_wy.default_config(interpret=True, key_dim=K, value_dim=V)
     with pytest.raises(ValueError, match=message):
@@ -579,15 +576,15 @@ def test_gradient_lowers_for_cuda(config):
     assert bool(triton_kernels & {"wy_forward", "wy_states"}) == (config == "triton_forward"), triton_kernels
 
 
-@pytest.mark.parametrize("K,V,grads", [(K, V, "triton") for K, V in OTHER_HEAD_DIMS if K <= 128]
+@pytest.mark.parametrize("K,V,grads", [(K, V, "triton") for K, V in OTHER_HEAD_DIMS]
                          + [(K, V, grads) for K, V in OTHER_HEAD_DIMS[:3] for grads in ("mosaic", "mosaic_1wg")]
                          + [(K, V, "mosaic") for K, V in OTHER_HEAD_DIMS[3:]])
 @pytest.mark.parametrize("heads", [4, 64])
 def test_other_head_dims_lower_for_cuda(K, V, grads, heads):
     """K or V of 64 or 256, the call and its gradient lowered for an abstract H100 at 4 value heads (state blocks of
     32 columns) and 64: the Mosaic forward pass once, saving the residuals under differentiation, the Mosaic
-    reverse pass and the Triton gradient kernel (K <= 128; no Triton forward or reverse pass), or the Mosaic one
-    (at 256 in blocks of 128; "mosaic_1wg": one warpgroup per CTA running both roles)."""
+    reverse pass and the Triton gradient kernels (no Triton forward or reverse pass), or the Mosaic one (at 256 in
+    blocks of 128; "mosaic_1wg": one warpgroup per CTA running both roles)."""
     cfg = mosaic_wy.default_config(batch_heads=heads, key_dim=K, value_dim=V)
     cfg = dataclasses.replace(cfg, mosaic_forward=True, mosaic_reverse=True, grads=grads.removesuffix("_1wg"),
                               grads_warpgroups=1 if "1wg" in grads else 2)
@@ -595,7 +592,9 @@ def test_other_head_dims_lower_for_cuda(K, V, grads, heads):
     assert forward.count("custom_call @mosaic_gpu_v2") == 1
     assert gradient.count("custom_call @mosaic_gpu_v2") == (3 if cfg.grads == "mosaic" else 2)
     triton_kernels = set(re.findall(r'name = "(wy_[a-z_]+)"', gradient))
-    gradient_kernels = set() if cfg.grads == "mosaic" else {"wy_grads_merged"}  # Triton's, K <= 128
+    # The Triton gradient kernels: "merged" up to K = 128, "staged" (a K-block and a V-block kernel) above.
+    gradient_kernels = (set() if cfg.grads == "mosaic" else {"wy_grads_k", "wy_grads_v"} if K == 256
+                        else {"wy_grads_merged"})
     assert {"wy_inverse", *gradient_kernels} <= triton_kernels, triton_kernels
     assert not triton_kernels & {"wy_forward", "wy_states", "wy_reverse", "wy_grads_merged"} - gradient_kernels, (
         triton_kernels)
@@ -618,14 +617,14 @@ def test_gpu_other_head_dims_match_scan(K, V):
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("K,V,grads", [(K, V, grads) for K, V in OTHER_HEAD_DIMS[:3]
                                        for grads in ("triton", "mosaic", "mosaic_1wg")]
-                         + [(256, 128, "mosaic"), (128, 256, "triton"), (128, 256, "mosaic"), (256, 256, "mosaic")])
+                         + [(K, V, grads) for K, V in OTHER_HEAD_DIMS[3:] + [(256, 256)]
+                            for grads in ("triton", "mosaic")])
 def test_gpu_other_head_dims_gradients_match_scan(K, V, grads):
     """Compiled, K or V of 64 or 256 with each gradient kernel ("mosaic_1wg": one warpgroup per CTA running both
     roles, two CTAs per SM where SMEM allows; at 256 the Mosaic one runs in blocks of 128): every gradient against
     the fp32 scan's. (At K = V = 256 four sequences: the scan's gradient keeps every token's state, 4.7 GB at
-    eight.) The Triton gradient kernels stop at K = 128 on this path (`check_config`): above it they are "staged",
-    whose compiled dq on the Mosaic passes' bf16 states reached 7.3e-3 on the H200 (docs/kernels.md, "dq of the
-    staged gradient kernels at K = 256"; `test_gpu_wy_chunk.py` runs them at 256 with fp32 states)."""
+    eight.) The Triton cases at K = 256 fail on some draws (dq up to 7.3e-3 on the H200, 2026-12-04): an open defect
+    of the compiled "staged" kernels, docs/kernels.md, "dq of the staged gradient kernels at K = 256"."""
     x = rule_inputs(fresh_key(), B=4 if K == V == 256 else 8, T=600, H=4, K=K, V=V, dtype=jnp.bfloat16,
                     beta_max=2.0, packed=True, with_initial_state=True)
     cfg = dataclasses.replace(mosaic_wy.default_config(batch_heads=32, key_dim=K, value_dim=V), mosaic_forward=True,

@@ -42,8 +42,7 @@ def _residuals(x, do, dfinal):
     dends, do, u, dx) and the Triton config."""
     segmented = x["segment_ids"] is not None
     cfg = wy_chunk.default_config(x["q"], x["v"], scale=SCALE, chunk_size=64, delta=True, segmented=segmented,
-                                  interpret=not ON_GPU, gated=x["log_decay"] is not None,
-                                  bf16_states=True)
+                                  interpret=not ON_GPU, gated=x["log_decay"] is not None)
     # "merged" up to K = 128, "staged" (V blocks, then K blocks) at 256: both read u and dx saved by the passes.
     assert cfg.grad_method in ("merged", "staged") and wy_chunk._saves_u_dx(cfg) and cfg.state_storage == "bf16"
     args = wy_chunk.padded_call_inputs(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], x["initial_state"],
@@ -107,7 +106,7 @@ def test_triton_forward_saves_u_as_its_pair(output_method):
                     packed=True)
     cfg = wy_chunk.replace_config(
         wy_chunk.default_config(x["q"], x["v"], scale=SCALE, chunk_size=64, delta=True, segmented=True,
-                                interpret=not ON_GPU, bf16_states=True), output_method=output_method)
+                                interpret=not ON_GPU), output_method=output_method)
     args = wy_chunk.padded_call_inputs(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], x["initial_state"],
                                        x["segment_ids"], 64)
     (o, final), residuals = jax.jit(lambda *a: wy_chunk._wy_fwd(cfg, *a))(*args)

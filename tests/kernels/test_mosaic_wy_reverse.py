@@ -49,8 +49,7 @@ def _compare(x, cfg, interpret):
     pass, with the default Triton pass's errors as the yardstick."""
     segmented = x["segment_ids"] is not None
     tcfg = wy_chunk.default_config(x["q"], x["v"], scale=SCALE, chunk_size=64, delta=True, segmented=segmented,
-                                   interpret=interpret, gated=x["log_decay"] is not None,
-                                   bf16_states=True)
+                                   interpret=interpret, gated=x["log_decay"] is not None)
     args = wy_chunk.padded_call_inputs(x["q"], x["k"], x["v"], x["beta"], x["log_decay"], x["initial_state"],
                                        x["segment_ids"], 64)
     q, k, v, beta, g, doc, carry, tail, t, *_ = jax.jit(lambda *a: wy_chunk._wy_fwd(tcfg, *a))(*args)[1]

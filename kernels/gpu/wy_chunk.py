@@ -1444,8 +1444,9 @@ GRAD_K_DOTS = "bf16"
 STATE_DOTS = "bf16"
 # "staged" (K above MERGED_MAX_K) runs part 2 in one pipeline stage: with two, its compiled dq on bf16 saved states
 # reached 3.7e-3 to 7.3e-3 against the fp32 scan on the H200 (over the 6e-3 bound on some draws; 2.2e-3 in the
-# interpreter), the error at the chunks' first tokens, where dq is mostly the state term dO S_0^T; with one stage
-# 2.2e-3 on the same draw (docs/kernels.md, "dq of the staged gradient kernels at K = 256").
+# interpreter), the error at the chunks' first tokens, where dq is mostly the state term dO S_0^T; with every kernel
+# in one stage 2.2e-3 on the same draw, the interpreter's values (docs/kernels.md, "dq of the staged gradient
+# kernels at K = 256").
 STAGED_GRAD_K_STAGES = 1
 # Storage between kernels, where the consumers' products allow it (`Config.inverse_storage`, `state_storage`): T
 # for the gradient kernels that read it ("fused", "staged" recomputing u and dx) as its bf16 (hi, lo) pair whenever

@@ -684,7 +684,8 @@ def _reverse_pass(cfg, q, k, do, t_pair, vectors, doc, survive, dfinal, *, scale
 
 
 def _triton_config(q, v, *, scale, segmented, interpret, gated=True):
-    """The Triton kernels' config beside the Mosaic ones: bf16 saved states, which the Mosaic kernels write and read."""
+    """The Triton kernels' default config beside the Mosaic ones (its bf16 saved states are what the Mosaic kernels
+    write and read)."""
     return wy_chunk.default_config(q, v, scale=scale, chunk_size=CHUNK, delta=True, segmented=segmented,
                                    interpret=interpret, gated=gated)
 

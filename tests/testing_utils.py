@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
 
 import jax
@@ -12,6 +13,32 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from deltajax.rules import chunk
+
+
+# On a CPU the kernel tests run in the Pallas interpreters or lower for an abstract device, 10-40 s per case on a
+# 2-core machine, and the full products of some parameter axes (every adversarial family under every kernel
+# variant) would take most of a 90-minute CI run. There each axis's values are covered rather than crossed
+# (`covering`); on an accelerator, where the kernels run compiled, and with DELTAJAX_FULL_MATRIX=1, every
+# combination runs.
+FULL_MATRIX = jax.default_backend() != "cpu" or os.environ.get("DELTAJAX_FULL_MATRIX") == "1"
+
+
+def covering(*axes):
+    """Parameter tuples over `axes` (sequences of values): their full product under `FULL_MATRIX`, else as many
+    tuples as the longest axis has values, the i-th taking value i (cyclically) of every axis, so that every value
+    of every axis appears and the shorter axes' values are spread evenly over the longer one's."""
+    axes = [list(axis) for axis in axes]
+    if FULL_MATRIX:
+        return list(itertools.product(*axes))
+    return [tuple(axis[i % len(axis)] for axis in axes) for i in range(max(map(len, axes)))]
+
+
+def share(cases, index, parts):
+    """The `index`-th of `parts` interleaved shares of `cases` (every `parts`-th case), or all of them under
+    `FULL_MATRIX`: a test parametrized by index that loops over `cases` takes its share, and the shares of
+    `parts` consecutive indices together hold every case."""
+    cases = list(cases)
+    return cases if FULL_MATRIX else cases[index % parts::parts]
 
 
 def relative_error(x, ref):

@@ -24,7 +24,7 @@ from deltajax.kernels.gpu import wy_chunk
 from deltajax.kernels.gpu.wy_chunk import chunk_wy, default_config
 from deltajax.rules import dispatch, step_size
 from deltajax.rules.scan import recurrent_scan
-from testing_utils import chunk_form_bounds, fresh_key, relative_error, rule_inputs
+from testing_utils import chunk_form_bounds, covering, fresh_key, relative_error, rule_inputs, share
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
@@ -207,8 +207,7 @@ ADVERSARIAL = ("correlated_keys_decay_near_0", "decay_down_to_-20", "decay_-20_e
                "mixed_-20_and_near_0")
 
 
-@pytest.mark.parametrize("grad", list(GRAD_VARIANTS))
-@pytest.mark.parametrize("family", ADVERSARIAL)
+@pytest.mark.parametrize("family,grad", covering(ADVERSARIAL, GRAD_VARIANTS))
 def test_adversarial_fp32(family, grad):
     """fp32 outputs and final state within 1e-5 of the scan's, or within twice the error of the XLA chunked form
     on the same inputs where that is larger. With correlated keys and beta near 2, every chunked fp32 evaluation
@@ -525,17 +524,20 @@ def _kernel_count(op, grad_method, output_method="fused", reverse_scores="inline
     return 3 + (grad_method in ("staged", "merged")) + split
 
 
-@pytest.mark.parametrize("op", dispatch.OPS)
-def test_lowers_for_cuda_every_supported_config(op):
-    for K, V, dtype in itertools.product(pallas_gpu.HEAD_DIMS, pallas_gpu.HEAD_DIMS, pallas_gpu.DTYPES):
+@pytest.mark.parametrize("index,op", list(enumerate(dispatch.OPS)))
+def test_lowers_for_cuda_every_supported_config(index, op):
+    """The default config at every supported (K, V, dtype), then with each combination of documents, initial state
+    and decay. On a CPU each op lowers half of them (`share`, the other op the other half: ~100 s per op and half on
+    a 2-core machine)."""
+    cases = [dict(K=K, V=V, dtype=dtype) for K, V, dtype in itertools.product(
+        pallas_gpu.HEAD_DIMS, pallas_gpu.HEAD_DIMS, pallas_gpu.DTYPES)] + [
+        dict(K=128, V=128, dtype="bfloat16", T=64, segmented=segmented, init=init, decay=decay)
+        for segmented, init, decay in itertools.product((False, True), repeat=3)]
+    for case in share(cases, index, 2):
+        K, V, dtype = case["K"], case["V"], case["dtype"]
         kernels = _kernel_count(op, wy_chunk.default_grad_method(K), wy_chunk.default_output_method(4, K, V),
                                 wy_chunk.default_reverse_scores(4, K, V, bf16=dtype == "bfloat16"))
-        assert _lower_for_cuda(op, K, V, jnp.dtype(dtype)) == kernels, (K, V, dtype)
-    kernels = _kernel_count(op, wy_chunk.default_grad_method(128), wy_chunk.default_output_method(4, 128, 128),
-                            wy_chunk.default_reverse_scores(4, 128, 128, bf16=True))
-    for segmented, init, decay in itertools.product((False, True), repeat=3):
-        assert _lower_for_cuda(op, 128, 128, jnp.bfloat16, T=64, segmented=segmented, init=init,
-                               decay=decay) == kernels
+        assert _lower_for_cuda(op, **dict(case, dtype=jnp.dtype(dtype))) == kernels, case
 
 
 # Head sizes for the gradient variants: every size as K and as V, both square and both lopsided extremes.
@@ -550,25 +552,28 @@ LINEAR_ATTENTION_SAME_KERNELS = ("staged_recompute", "merged_split_output_fp32_p
                                  "merged_inline_reverse_scores")
 GRAD_LOWERING_CASES = [(op, grad) for op in dispatch.OPS for grad in LOWERED_GRAD_VARIANTS
                        if not (op == "linear_attention" and grad in LINEAR_ATTENTION_SAME_KERNELS)]
+# The lowerings of one variant: each head pair (all masks and gates present), then each mask/gate case at 128.
+VARIANT_LOWERINGS = [dict(K=K, V=V) for K, V in VARIANT_HEAD_DIMS] + [
+    dict(K=128, V=128, T=64, segmented=segmented, init=init, decay=decay)
+    for segmented, init, decay in VARIANT_MASK_CASES]
 
 
-@pytest.mark.parametrize("op,grad", GRAD_LOWERING_CASES)
-def test_lowers_for_cuda_every_grad_method(op, grad):
+@pytest.mark.parametrize("index,op,grad", [(i, *case) for i, case in enumerate(GRAD_LOWERING_CASES)])
+def test_lowers_for_cuda_every_grad_method(index, op, grad):
     """Each gradient variant at the block sizes swept on the H100 (bf16): each head size as K and as V, and the
     mask/gate cases with one or all absent. Lowering is Python-bound: with the full products (9 head pairs, 8
-    cases) each variant took 94 s on a 2-core CPU machine (2026-12-02), ~44 min of a CI run's worker time for the
-    28 variant/op pairs. The default configuration lowers the full products in
+    cases) each variant took 94 s on a 2-core CPU machine (2026-12-02), and with the 9 lowerings of
+    `VARIANT_LOWERINGS` 30 s, 12 min of a CI run's worker time for the 25 variant/op pairs (2026-12-05). On a CPU
+    each pair therefore lowers a third of them (`share`: consecutive pairs take the other thirds, so every lowering
+    runs under several variants). The default configuration lowers the full products in
     `test_lowers_for_cuda_every_supported_config`."""
     variant = LOWERED_GRAD_VARIANTS[grad]
-    count = lambda K, V: _kernel_count(
-        op, variant["grad_method"], variant.get("output_method", wy_chunk.default_output_method(4, 128, V)),
-        variant.get("reverse_scores", wy_chunk.default_reverse_scores(4, K, V, bf16=True)))
-    for K, V in VARIANT_HEAD_DIMS:
-        assert _lower_for_cuda(op, K, V, jnp.bfloat16, grad=variant) == count(K, V), (K, V)
-    kernels = count(128, 128)
-    for segmented, init, decay in VARIANT_MASK_CASES:
-        assert _lower_for_cuda(op, 128, 128, jnp.bfloat16, T=64, segmented=segmented, init=init, decay=decay,
-                               grad=variant) == kernels
+    for case in share(VARIANT_LOWERINGS, index, 3):
+        K, V = case["K"], case["V"]
+        kernels = _kernel_count(
+            op, variant["grad_method"], variant.get("output_method", wy_chunk.default_output_method(4, 128, V)),
+            variant.get("reverse_scores", wy_chunk.default_reverse_scores(4, K, V, bf16=True)))
+        assert _lower_for_cuda(op, dtype=jnp.bfloat16, grad=variant, **case) == kernels, case
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from deltajax.kernels.gpu.common import split_bf16_in_xla
 from deltajax.kernels.gpu.mosaic_wy import chunk_wy_mosaic
 from deltajax.rules import dispatch
 from deltajax.rules.scan import recurrent_scan
-from testing_utils import fresh_key, relative_error, rule_inputs
+from testing_utils import covering, fresh_key, relative_error, rule_inputs
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
@@ -576,15 +576,19 @@ def test_gradient_lowers_for_cuda(config):
     assert bool(triton_kernels & {"wy_forward", "wy_states"}) == (config == "triton_forward"), triton_kernels
 
 
-@pytest.mark.parametrize("K,V,grads", [(K, V, "triton") for K, V in OTHER_HEAD_DIMS]
+OTHER_HEAD_DIMS_GRADS = ([(K, V, "triton") for K, V in OTHER_HEAD_DIMS]
                          + [(K, V, grads) for K, V in OTHER_HEAD_DIMS[:3] for grads in ("mosaic", "mosaic_1wg")]
                          + [(K, V, "mosaic") for K, V in OTHER_HEAD_DIMS[3:]])
-@pytest.mark.parametrize("heads", [4, 64])
+
+
+@pytest.mark.parametrize("K,V,grads,heads", [(*case, heads) for case, heads in covering(OTHER_HEAD_DIMS_GRADS,
+                                                                                          (4, 64))])
 def test_other_head_dims_lower_for_cuda(K, V, grads, heads):
     """K or V of 64 or 256, the call and its gradient lowered for an abstract H100 at 4 value heads (state blocks of
     32 columns) and 64: the Mosaic forward pass once, saving the residuals under differentiation, the Mosaic
     reverse pass and the Triton gradient kernels (no Triton forward or reverse pass), or the Mosaic one (at 256 in
-    blocks of 128; "mosaic_1wg": one warpgroup per CTA running both roles)."""
+    blocks of 128; "mosaic_1wg": one warpgroup per CTA running both roles). On a CPU each case at one of the two
+    head counts (`covering`; 17 s per lowering on a 2-core machine)."""
     cfg = mosaic_wy.default_config(batch_heads=heads, key_dim=K, value_dim=V)
     cfg = dataclasses.replace(cfg, mosaic_forward=True, mosaic_reverse=True, grads=grads.removesuffix("_1wg"),
                               grads_warpgroups=1 if "1wg" in grads else 2)

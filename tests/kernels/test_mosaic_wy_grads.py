@@ -17,7 +17,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from deltajax.kernels.gpu import mosaic_wy_grads, wy_chunk
 from deltajax.kernels.gpu.common import split_bf16_in_xla
-from testing_utils import fresh_key, relative_error, rule_inputs
+from testing_utils import covering, fresh_key, relative_error, rule_inputs
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
@@ -130,9 +130,9 @@ def test_without_decay_in_interpreter():
     _compare(rule_inputs(fresh_key(), B=1, T=64, H=1, K=D, V=D, dtype=jnp.bfloat16, decay="none", packed=True))
 
 
-@pytest.mark.parametrize("K,V,case", [(K, V, case) for K, V in OTHER_HEAD_DIMS
-                                       for case in ("plain", "packed_correlated_keys")]
-                         + [(K, V, "packed_correlated_keys") for K, V in WIDE_HEAD_DIMS[:3]])
+@pytest.mark.parametrize("K,V,case", [(*dims, case) for dims, case in covering(
+    OTHER_HEAD_DIMS, ("plain", "packed_correlated_keys"))] + [(K, V, "packed_correlated_keys")
+                                                               for K, V in WIDE_HEAD_DIMS[:3]])
 def test_other_head_dims_match_the_triton_kernel_in_interpreter(K, V, case):
     """K or V of 64: the V pieces and key-sized tiles follow the call's dims; of 256: each CTA's terms over its key
     and value block, summed (at K = 256 the oracle is the Triton "staged" kernels). T not a multiple of 64, beta up
@@ -171,13 +171,16 @@ H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
                                                    platform="gpu"))
 
 
-@pytest.mark.parametrize("segmented", [False, True])
-@pytest.mark.parametrize("u_from_t,K,V", [(False, D, D), (True, D, D), (False, 64, 64), (False, 64, 128),
-                                          (False, 128, 64), (True, 64, 128), (False, 256, 256), (False, 256, 64),
-                                          (False, 64, 256)])
+LOWERED_CASES = [(False, D, D), (True, D, D), (False, 64, 64), (False, 64, 128), (False, 128, 64), (True, 64, 128),
+                 (False, 256, 256), (False, 256, 64), (False, 64, 256)]
+
+
+@pytest.mark.parametrize("segmented,u_from_t,K,V", [(segmented, *case) for case, segmented in covering(
+    LOWERED_CASES, (False, True))])
 def test_lowers_for_cuda(segmented, u_from_t, K, V):
     """Catches what the interpreter accepts but Mosaic GPU cannot lower (layouts, wgmma operands, transposed
-    views, the barriers of the two warpgroups, which the interpreter runs in turn)."""
+    views, the barriers of the two warpgroups, which the interpreter runs in turn). On a CPU each case with or
+    without documents (`covering`)."""
     B, Tp, H = 1, 192, 2
     nt = Tp // 64
     S = jax.ShapeDtypeStruct

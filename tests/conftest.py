@@ -8,6 +8,10 @@ import warnings
 # Shared test helpers (tests/testing_utils.py) importable from every test folder.
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Failing tests' reports written as they arrive when DELTAJAX_FAILURE_LOG names a file (tests/failure_log.py): a
+# device call cut off by its time limit keeps the reasons.
+from failure_log import pytest_runtest_logreport  # noqa: E402, F401
+
 warnings.filterwarnings("ignore", message=".*pallas.*triton.*", category=DeprecationWarning)
 
 # Most of a CPU test's time is XLA compiling, not running: interpret-mode Pallas kernels lower to large HLO

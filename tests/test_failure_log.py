@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from failure_log import FAILURE_LOG
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 SAMPLE = '''
@@ -31,7 +33,7 @@ def test_errors_in_setup(broken):
 def test_each_failure_is_written_once_with_its_reason(tmp_path, workers):
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     log = tmp_path / "failures.log"
-    env = dict(os.environ, DELTAJAX_FAILURE_LOG=str(log), PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, **{FAILURE_LOG: str(log)}, PYTHONPATH=os.pathsep.join(
         [TESTS, os.environ.get("PYTHONPATH", "")]))
     env.pop("PYTEST_XDIST_WORKER", None)  # this test may itself run in a worker
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "failure_log", "-p", "no:cacheprovider",

@@ -80,7 +80,8 @@ def _bf16_grad_tol(name):
 
 def _check(x, out_tol, grad_tols, fn=None, label="", state_tol=None):
     """Kernel vs the fp32 scan on the same (possibly bf16-rounded) inputs (the final state to `state_tol`, by
-    default `out_tol`)."""
+    default `out_tol`). Returns the kernel's ((o, final state), gradients), for tests that compare it with another
+    path without lowering it again (gradients {} without `grad_tols`)."""
     state_tol = out_tol if state_tol is None else state_tol
     fn = fn or _kernel()
     ref_inputs = dict(x, **{n: x[n].astype(jnp.float32) for n in ("q", "k", "v")})
@@ -99,6 +100,7 @@ def _check(x, out_tol, grad_tols, fn=None, label="", state_tol=None):
     assert errors["o"] <= out_tol and errors["state"] <= state_tol, errors
     for name in grads:
         assert errors["d" + name] <= grad_tols(name), (name, errors)
+    return (o, s), grads
 
 
 def _inputs(key=None, *, T, H=1, Hv=2, K=16, V=16, B=2, packed=True, init=True, dtype=jnp.float32, **kwargs):
@@ -281,8 +283,7 @@ def test_one_reference_chunks_up_to_the_span_limit():
     results = {}
     for name, limit in (("default", cfg.span_limit), ("sub_chunks", None)):
         fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, span_limit=limit))
-        _check(x, FP32_OUT_TOL, _fp32_grad_tol, fn=fn, label=f"span-{name}")
-        results[name] = (_call(fn, x), _grads(fn, x))
+        results[name] = _check(x, FP32_OUT_TOL, _fp32_grad_tol, fn=fn, label=f"span-{name}")
     for a, b in zip(jax.tree.leaves(results["default"]), jax.tree.leaves(results["sub_chunks"])):
         assert relative_error(a, b) <= 1e-5, a.shape
     unbounded = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, span_limit=float("inf")))
@@ -308,8 +309,7 @@ def test_calls_whose_chunks_are_all_bounded_skip_the_sub_chunk_code():
     results = {}
     for name, limit in (("all_bounded", cfg.span_limit), ("sub_chunks", None)):
         fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, span_limit=limit))
-        _check(x, FP32_OUT_TOL, _fp32_grad_tol, fn=fn, label=f"span-{name}")
-        results[name] = (_call(fn, x), _grads(fn, x))
+        results[name] = _check(x, FP32_OUT_TOL, _fp32_grad_tol, fn=fn, label=f"span-{name}")
     for a, b in zip(jax.tree.leaves(results["all_bounded"]), jax.tree.leaves(results["sub_chunks"])):
         assert relative_error(a, b) <= 1e-5, a.shape
 
@@ -460,8 +460,7 @@ def test_primal_forward_split_with_fp32_states_in_interpreter():
     for primal in (None, "split"):
         fn = lambda *a, primal=primal, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg,
                                                                                          primal_forward=primal))
-        _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"primal_forward={primal}")
-        results[primal] = (_call(fn, x), _grads(fn, x))
+        results[primal] = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"primal_forward={primal}")
         names = [name for name, _ in _kernel_calls_of_forward(fn, x)]
         assert ("kda_state_pass" in names and "kda_output" in names) == (primal == "split"), names
         assert ("kda_forward" in names) == (primal is None), names
@@ -532,8 +531,8 @@ def test_bf16_saved_states_change_only_the_products_that_read_them_finer():
     results = {}
     for storage in ("bf16", "fp32"):
         fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, state_storage=storage))
-        _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"states-{storage}")
-        results[storage] = dict(zip(("o", "state"), _call(fn, x)), **_grads(fn, x))
+        (o, state), grads = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"states-{storage}")
+        results[storage] = dict(o=o, state=state, **grads)
         dtypes = _kernel_output_dtypes(fn, x)
         saved = jnp.bfloat16 if storage == "bf16" else jnp.float32
         # the forward pass: o, final state, start states (, u's pair); the reverse: dh0, end cotangents (, dx's)
@@ -584,9 +583,9 @@ def test_backward_operands_saved_equal_formed_in_interpreter(dtype, cumsum):
     results = []
     for where in ("formed", "saved"):
         fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, backward_operands=where))
-        _check(x, BF16_OUT_TOL if bf16 else FP32_OUT_TOL, _bf16_grad_tol if bf16 else _fp32_grad_tol, fn=fn,
-               label=f"backward_operands={where}-{dtype}-{cumsum}")
-        results.append(jax.tree.leaves((_call(fn, x), _grads(fn, x))))
+        results.append(jax.tree.leaves(_check(x, BF16_OUT_TOL if bf16 else FP32_OUT_TOL,
+                                              _bf16_grad_tol if bf16 else _fp32_grad_tol, fn=fn,
+                                              label=f"backward_operands={where}-{dtype}-{cumsum}")))
         calls = _kernel_calls(fn, x)
         operand_calls = [dtypes for name, dtypes in calls if name in ("kda_gates", "kda_operands")]
         # the forward's operand kernel (the first), then with "formed" the backward's `_operands_kernel`
@@ -626,8 +625,7 @@ def test_bf16_stored_operands_equal_inline_in_interpreter(forward):
     for operands in ("stored", "inline"):
         fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(
             cfg, operands=operands, forward=forward, cumsum="kernel"))
-        _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"{operands}-{forward}-bf16")
-        results[operands] = (_call(fn, x), _grads(fn, x))
+        results[operands] = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"{operands}-{forward}-bf16")
     _assert_equal_up_to_16_bit_rounding(results["stored"], results["inline"], fp32_tol=5e-4)
 
 
@@ -691,8 +689,8 @@ def test_gradients_from_the_passes_equal_recomputed_in_interpreter(forward, dtyp
         fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(
             cfg, forward=forward, grads_from_passes=from_passes, fused_pair_grads=from_passes,
             grad_k_splits=cfg.grad_k_splits if from_passes else 1))
-        _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"from_passes={from_passes}-{forward}-{dtype}")
-        results[from_passes] = (_call(fn, x), _grads(fn, x))
+        results[from_passes] = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn,
+                                      label=f"from_passes={from_passes}-{forward}-{dtype}")
         dtypes = _kernel_output_dtypes(fn, x)
         # the forward pass: o, final state, start states (+ u hi, lo); the reverse: dh0, end cotangents (+ dx's)
         saves = [jnp.bfloat16] * 2 if from_passes else []
@@ -724,8 +722,7 @@ def test_gradient_kernel_split_over_channels_equals_one_program_in_interpreter(d
     results = {}
     for splits in (1, 2):
         fn = lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, grad_k_splits=splits))
-        _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"grad_k_splits={splits}-{dtype}")
-        results[splits] = _grads(fn, x)
+        _, results[splits] = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"grad_k_splits={splits}-{dtype}")
     _assert_equal_up_to_16_bit_rounding(results[1], results[2])
     for overrides in (dict(grad_k_splits=4), dict(grad_k_splits=2, grad_v_splits=2),
                       dict(grad_k_splits=2, grads_from_passes=False)):
@@ -763,8 +760,8 @@ def test_fused_pair_gradients_equal_the_two_kernels_in_interpreter(dtype, H, Hv,
         results = {}
         for name, config in (("two kernels", cfg), ("fused", fused)):
             fn = lambda *a, config=config, **kw: kda_chunk(*a, **kw, config=config)
-            _check(inputs, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=f"{name}-{case}-{dtype}-{block_k}")
-            results[name] = _grads(fn, inputs)
+            _, results[name] = _check(inputs, BF16_OUT_TOL, _bf16_grad_tol, fn=fn,
+                                      label=f"{name}-{case}-{dtype}-{block_k}")
         _assert_equal_up_to_16_bit_rounding(results["two kernels"], results["fused"])
     with pytest.raises(ValueError, match="pair_block_k"):
         _grads(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(fused, pair_block_k=8)), x)

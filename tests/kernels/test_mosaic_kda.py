@@ -73,9 +73,9 @@ def _against_triton(x, label, **overrides):
     """The Mosaic pass against the fp32 scan (bf16 bounds, no gradients) and against the Triton pass on the same
     call (`overrides` on both)."""
     mosaic = _config(x, pass_backend="mosaic", **overrides)
-    _check(x, BF16_OUT_TOL, None, fn=_fn(mosaic), label=label)
+    mosaic_outputs, _ = _check(x, BF16_OUT_TOL, None, fn=_fn(mosaic), label=label)
     triton = dataclasses.replace(mosaic, pass_backend="triton")
-    _assert_equal_up_to_16_bit_rounding(_call(_fn(mosaic), x), _call(_fn(triton), x), per_element=False,
+    _assert_equal_up_to_16_bit_rounding(mosaic_outputs, _call(_fn(triton), x), per_element=False,
                                         fp32_tol=FLIPPED_STATE_TOL)
 
 
@@ -129,9 +129,9 @@ def test_other_head_dims_gradients_through_both_mosaic_passes_in_interpreter(K, 
     through the Triton passes up to the 16-bit rounding flips."""
     x = _bf16_case(_inputs(T=130, B=1, H=1, Hv=2, K=K, V=V))
     mosaic = _config(x, pass_backend="mosaic", reverse_backend="mosaic", mosaic_block_v=64)
-    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"mosaic-reverse-{K}x{V}")
+    _, mosaic_grads = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"mosaic-reverse-{K}x{V}")
     triton = dataclasses.replace(mosaic, pass_backend="triton", reverse_backend="triton")
-    _assert_equal_up_to_16_bit_rounding(_grads(_fn(mosaic), x), _grads(_fn(triton), x), per_element=False)
+    _assert_equal_up_to_16_bit_rounding(mosaic_grads, _grads(_fn(triton), x), per_element=False)
 
 
 def test_wide_keys_through_both_mosaic_passes_in_interpreter():
@@ -140,11 +140,12 @@ def test_wide_keys_through_both_mosaic_passes_in_interpreter():
     up to the 16-bit rounding flips."""
     x = _bf16_case(_inputs(T=130, B=1, H=1, Hv=2, K=256, V=64))
     mosaic = _config(x, pass_backend="mosaic", reverse_backend="mosaic", mosaic_block_v=mosaic_kda.WIDE_KEY_BLOCK_V)
-    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label="mosaic-reverse-256x64")
+    mosaic_outputs, mosaic_grads = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic),
+                                          label="mosaic-reverse-256x64")
     triton = dataclasses.replace(mosaic, pass_backend="triton", reverse_backend="triton")
-    _assert_equal_up_to_16_bit_rounding(_call(_fn(mosaic), x), _call(_fn(triton), x), per_element=False,
+    _assert_equal_up_to_16_bit_rounding(mosaic_outputs, _call(_fn(triton), x), per_element=False,
                                         fp32_tol=FLIPPED_STATE_TOL)
-    _assert_equal_up_to_16_bit_rounding(_grads(_fn(mosaic), x), _grads(_fn(triton), x), per_element=False)
+    _assert_equal_up_to_16_bit_rounding(mosaic_grads, _grads(_fn(triton), x), per_element=False)
 
 
 @pytest.mark.parametrize("block_v", [32, 64])
@@ -203,9 +204,9 @@ def test_gradients_match_scan_in_interpreter(variant):
     equal to the gradients through the Triton pass up to the 16-bit rounding flips."""
     x = _bf16_case(_inputs(T=130, B=1, H=1, Hv=2, K=D, V=D))
     mosaic = _config(x, pass_backend="mosaic", **VARIANTS[variant])
-    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label="mosaic-grads")
+    _, mosaic_grads = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label="mosaic-grads")
     triton = dataclasses.replace(mosaic, pass_backend="triton")
-    _assert_equal_up_to_16_bit_rounding(_grads(_fn(mosaic), x), _grads(_fn(triton), x), per_element=False)
+    _assert_equal_up_to_16_bit_rounding(mosaic_grads, _grads(_fn(triton), x), per_element=False)
 
 
 def _prepare_and_reverse(cfg, x):
@@ -277,9 +278,9 @@ def test_gradients_through_the_mosaic_reverse_pass_in_interpreter(family, varian
     shape = dict(B=1, T=130, H=1, Hv=2, K=D, V=D)
     x = _bf16_case(_inputs(**shape) if family is None else _adversarial(family, **shape))
     mosaic = _config(x, pass_backend="mosaic", reverse_backend="mosaic", **VARIANTS[variant])
-    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"mosaic-reverse-{family}")
+    _, mosaic_grads = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"mosaic-reverse-{family}")
     triton = dataclasses.replace(mosaic, reverse_backend="triton")
-    _assert_equal_up_to_16_bit_rounding(_grads(_fn(mosaic), x), _grads(_fn(triton), x), per_element=False)
+    _assert_equal_up_to_16_bit_rounding(mosaic_grads, _grads(_fn(triton), x), per_element=False)
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -522,7 +523,7 @@ def test_gpu_adversarial(family, variant):
     """As `test_adversarial_in_interpreter`, compiled, with the gradients against the scan too."""
     x = _bf16_case(_adversarial(family, B=2, T=500, H=2, Hv=4, K=D, V=D))
     mosaic = _config(x, pass_backend="mosaic", **VARIANTS[variant])
-    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"gpu-mosaic-{variant}-{family}")
-    _assert_equal_up_to_16_bit_rounding(_call(_fn(mosaic), x),
+    mosaic_outputs, _ = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"gpu-mosaic-{variant}-{family}")
+    _assert_equal_up_to_16_bit_rounding(mosaic_outputs,
                                         _call(_fn(dataclasses.replace(mosaic, pass_backend="triton")), x),
                                         per_element=False)

@@ -33,6 +33,16 @@ def covering(*axes):
     return [tuple(axis[i % len(axis)] for axis in axes) for i in range(max(map(len, axes)))]
 
 
+def cpu_subset(cases, kept):
+    """`cases`, or under a CPU run (not `FULL_MATRIX`) only those among `kept`: for parametrizations whose other
+    cases repeat, in the interpreter, what further tests of the same kernel already cover (docs/testing.md says
+    which and why)."""
+    cases = list(cases)
+    missing = [case for case in kept if case not in cases]
+    assert not missing, missing
+    return cases if FULL_MATRIX else [case for case in cases if case in kept]
+
+
 def share(cases, index, parts):
     """The `index`-th of `parts` interleaved shares of `cases` (every `parts`-th case), or all of them under
     `FULL_MATRIX`: a test parametrized by index that loops over `cases` takes its share, and the shares of

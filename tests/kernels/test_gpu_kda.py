@@ -24,7 +24,7 @@ from deltajax.kernels.gpu.kda import default_config, kda_chunk
 from deltajax.kernels.gpu.wy_chunk import chunk_wy
 from deltajax.rules import dispatch
 from deltajax.rules.scan import recurrent_scan
-from testing_utils import chunk_form_bounds, covering, fresh_key, relative_error, rule_inputs, share
+from testing_utils import chunk_form_bounds, covering, cpu_subset, fresh_key, relative_error, rule_inputs, share
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
@@ -563,8 +563,11 @@ def test_operands_written_with_the_cumsum_equal_the_operand_kernel():
             cfg, operands="inline", cumsum="with_operands")), x)
 
 
-@pytest.mark.parametrize("dtype,cumsum", [("bfloat16", "with_operands"), ("bfloat16", "kernel"),
-                                          ("float32", "with_operands")])
+# On a CPU without the bf16 "kernel" cumsum case: its lowering, the one thing it adds, is
+# `test_lowers_for_cuda_config_variants[backward_operands_saved_cumsum_kernel]`.
+@pytest.mark.parametrize("dtype,cumsum", cpu_subset([("bfloat16", "with_operands"), ("bfloat16", "kernel"),
+                                                     ("float32", "with_operands")],
+                                                    [("bfloat16", "with_operands"), ("float32", "with_operands")]))
 def test_backward_operands_saved_equal_formed_in_interpreter(dtype, cumsum):
     """`Config.backward_operands="saved"`: the forward's operand kernel (`_gates_kernel` with "with_operands", else
     `_operands_kernel`) also writes A (.) K's lo half, and the backward takes its four tiles from the forward's
@@ -599,7 +602,9 @@ def test_backward_operands_saved_equal_formed_in_interpreter(dtype, cumsum):
         _grads(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, backward_operands="kept")), x)
 
 
-@pytest.mark.parametrize("forward", ["fused", "split"])
+# On a CPU the default (fused) forward only: the split forward's stored operands are those of
+# `test_config_variants_fp32` and `test_split_forward_bf16_in_interpreter`.
+@pytest.mark.parametrize("forward", cpu_subset(["fused", "split"], ["fused"]))
 def test_bf16_stored_operands_equal_inline_in_interpreter(forward):
     """Stored operands (bf16 pairs written by `_operands_kernel`) are the values the inline passes form in every
     step, so both give the same outputs and gradients up to fp32 summation order; K = 64 runs two channel blocks of
@@ -671,7 +676,11 @@ def _assert_equal_up_to_16_bit_rounding(first, second, *, per_element=True, fp32
         assert close, (a.shape, differing, relative_error(a, b))
 
 
-@pytest.mark.parametrize("forward,dtype", [("fused", "bfloat16"), ("split", "bfloat16"), ("fused", "float16")])
+# On a CPU the fused forward only, in both 16-bit dtypes: the split forward's saved pairs feed the gradients that
+# `test_split_forward_bf16_in_interpreter` holds to the scan's bounds.
+@pytest.mark.parametrize("forward,dtype", cpu_subset([("fused", "bfloat16"), ("split", "bfloat16"),
+                                                      ("fused", "float16")],
+                                                     [("fused", "bfloat16"), ("fused", "float16")]))
 def test_gradients_from_the_passes_equal_recomputed_in_interpreter(forward, dtype):
     """`Config.grads_from_passes` (the 16-bit default): the passes save u and dx as bf16 (hi, lo) pairs and the V
     gradient kernel reads them, where otherwise it forms them again from T, P and the saved states with the same
@@ -1030,9 +1039,9 @@ CONFIG_VARIANTS = {
 @pytest.mark.parametrize("index,variant", list(enumerate(CONFIG_VARIANTS)))
 def test_lowers_for_cuda_config_variants(index, variant):
     """Each variant for bf16 inputs (the dtype the dispatch sends to these kernels on Hopper) and fp32; on a CPU
-    (~10 s per lowering on a 2-core machine) every other variant for fp32 (`share`)."""
+    (~10 s per lowering on a 2-core machine) every sixth variant for fp32 (`share`)."""
     overrides = CONFIG_VARIANTS[variant]
-    for dtype in (jnp.bfloat16, *share((jnp.float32,), index, 2)):
+    for dtype in (jnp.bfloat16, *share((jnp.float32,), index, 6)):
         assert _lower_for_cuda(128, 128, dtype, T=64, overrides=overrides) == _expected_kernels(overrides,
                                                                                                 dtype=dtype), dtype
 

@@ -564,11 +564,11 @@ def test_lowers_for_cuda_every_grad_method(index, op, grad):
     mask/gate cases with one or all absent. Lowering is Python-bound: with the full products (9 head pairs, 8
     cases) each variant took 94 s on a 2-core CPU machine (2026-12-02), and with the 9 lowerings of
     `VARIANT_LOWERINGS` 30 s, 12 min of a CI run's worker time for the 25 variant/op pairs (2026-12-05). On a CPU
-    each pair therefore lowers a third of them (`share`: consecutive pairs take the other thirds, so every lowering
-    runs under several variants). The default configuration lowers the full products in
+    each pair therefore lowers one of them (`share`: consecutive pairs take the others, so every lowering runs
+    under two or three variants). The default configuration lowers the full products in
     `test_lowers_for_cuda_every_supported_config`."""
     variant = LOWERED_GRAD_VARIANTS[grad]
-    for case in share(VARIANT_LOWERINGS, index, 3):
+    for case in share(VARIANT_LOWERINGS, index, len(VARIANT_LOWERINGS)):
         K, V = case["K"], case["V"]
         kernels = _kernel_count(
             op, variant["grad_method"], variant.get("output_method", wy_chunk.default_output_method(4, 128, V)),

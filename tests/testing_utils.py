@@ -84,30 +84,30 @@ def fresh_key():
 
 def rule_inputs(key, *, B=2, T=65, H=2, Hv=None, K=16, V=8, decay="scalar", beta_max=1.0, packed=False,
                 with_initial_state=False, normalise_keys=True, decay_scale=0.5, dtype=jnp.float32):
-    """Random q, k, v, beta, log_decay, initial_state, segment_ids (never zeros)."""
+    """Random q, k, v, beta, log_decay, initial_state, segment_ids (never zeros), drawn from `key`.
+
+    Drawn by numpy from the key's bits, not by jax.random: on a CPU each jax.random draw of a new shape compiles a
+    program of its own (~0.6 s at the tests' LLVM level; 3-4 s per call of this function with new shapes, 2026-12-05),
+    and a test run meets hundreds of shapes. The same key gives the same inputs, so a printed seed still replays."""
     Hv = Hv or H
-    ks = jax.random.split(key, 8)
-    q = jax.random.normal(ks[0], (B, T, H, K), jnp.float32)
-    k = jax.random.normal(ks[1], (B, T, H, K), jnp.float32)
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+    q = rng.standard_normal((B, T, H, K), np.float32)
+    k = rng.standard_normal((B, T, H, K), np.float32)
     if normalise_keys:
-        k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    v = jax.random.normal(ks[2], (B, T, Hv, V), jnp.float32)
-    beta = jax.random.uniform(ks[3], (B, T, Hv), minval=0.05, maxval=beta_max)
-    if decay == "none":
-        log_decay = None
-    elif decay == "scalar":
-        log_decay = -decay_scale * jax.random.uniform(ks[4], (B, T, Hv), minval=0.01, maxval=1.0)
-    else:
-        log_decay = -decay_scale * jax.random.uniform(ks[4], (B, T, Hv, K), minval=0.01, maxval=1.0)
-    initial_state = jax.random.normal(ks[5], (B, Hv, K, V), jnp.float32) if with_initial_state else None
+        k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, Hv, V), np.float32)
+    beta = rng.uniform(0.05, beta_max, (B, T, Hv)).astype(np.float32)
+    gate_shape = {"none": None, "scalar": (B, T, Hv)}.get(decay, (B, T, Hv, K))
+    log_decay = None if gate_shape is None else (-decay_scale * rng.uniform(0.01, 1.0, gate_shape)).astype(np.float32)
+    initial_state = rng.standard_normal((B, Hv, K, V), np.float32) if with_initial_state else None
     segment_ids = None
     if packed:
         # Documents of random lengths (some shorter than a chunk, some spanning chunk boundaries).
-        starts = jax.random.bernoulli(ks[6], 0.04, (B, T)).astype(jnp.int32)
-        segment_ids = jnp.cumsum(starts, axis=1) + 3
-    cast = lambda x: x.astype(dtype)
-    return dict(q=cast(q), k=cast(k), v=cast(v), beta=beta, log_decay=log_decay, initial_state=initial_state,
-                segment_ids=segment_ids)
+        starts = (rng.random((B, T)) < 0.04).astype(np.int32)
+        segment_ids = np.cumsum(starts, axis=1, dtype=np.int32) + 3
+    to_jax = lambda x, dtype=None: None if x is None else jnp.asarray(x if dtype is None else x.astype(dtype))
+    return dict(q=to_jax(q, dtype), k=to_jax(k, dtype), v=to_jax(v, dtype), beta=to_jax(beta),
+                log_decay=to_jax(log_decay), initial_state=to_jax(initial_state), segment_ids=to_jax(segment_ids))
 
 
 def assert_tpu_lowering(forward, args, mesh_kind=None):

@@ -71,13 +71,7 @@ VARIANTS = {
     "recompute_u": dict(recompute_u=True),  # the gradient kernel forms u from T; the forward pass saves no u
     "mosaic_grads": dict(grads="mosaic"),  # the Mosaic gradient kernel (at K or V of 256 in blocks of 128)
     "mosaic_grads_1wg": dict(grads="mosaic", grads_warpgroups=1),  # its roles in turn, two CTAs per SM at 64
-    "triton_grads": dict(grads="triton"),
-    # The primal forward pass carrying S^T, its chain's operands in registers (`Config.transposed_state`).
-    "transposed": dict(transposed_state=True),
-    "one_warpgroup_transposed": dict(warpgroups=1, block_v=64, transposed_state=True),
-    "one_warpgroup_bv64": dict(warpgroups=1, block_v=64),
-    "one_warpgroup_transposed_smem": dict(warpgroups=1, block_v=64, transposed_state=True, p_operand="smem"),
-    "one_warpgroup_bv64_p_smem": dict(warpgroups=1, block_v=64, p_operand="smem"),  # the Triton gradient kernel on the Mosaic passes' residuals (K <= 128)
+    "triton_grads": dict(grads="triton"),  # the Triton gradient kernel on the Mosaic passes' residuals (K <= 128)
     # The kernel as it was until 2026-11-26 (split state products, P through SMEM, T split in XLA).
     "previous": dict(state_dots="split", p_operand="smem", inverse_pair="xla", p_during_u=False, warpgroups=1,
                      query_state_late=False),

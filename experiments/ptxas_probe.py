@@ -1,6 +1,7 @@
 """Compiles one forward call per Mosaic config at a small size, for ptxas's register and spill report.
 
-    MOSAIC_GPU_DUMP_PTXAS=1 python experiments/ptxas_probe.py --variants=default,transposed 2>&1 | grep -E ...
+    MOSAIC_GPU_DUMP_PTXAS=1 python experiments/ptxas_probe.py --variants=default,one_warpgroup 2>&1 \
+        | grep -E "^===|registers|spill"
 
 The variants are `bench_mosaic_gpu.VARIANTS`' names; each call is printed before it compiles.
 """

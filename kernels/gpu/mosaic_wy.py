@@ -170,12 +170,6 @@ class Config:
     # Warpgroups per CTA of the Mosaic gradient kernel: 2, its two roles side by side; 1, both roles in turn, so
     # that two CTAs share an SM where the SMEM allows (K = V = 64).
     grads_warpgroups: int = 2
-    # The primal forward pass (not differentiated) carries the state transposed, S^T (BV x K), so that every
-    # operand the state reaches on its way to the next chunk (S^T, the scaled K S_0, the update operand) is wgmma's
-    # A from registers, with no SMEM store and fence between the chain's products (`_forward_step_transposed`);
-    # T comes from the inverse kernel as T diag(beta). Compiled only with P from registers (`p_operand`); with
-    # "smem" (the interpreter) those operands go through SMEM tiles instead, the same math.
-    transposed_state: bool = False
 
     def __post_init__(self):
         for name, allowed in (("lo_accumulators", LO_ACCUMULATORS), ("state_dots", STATE_DOTS),
@@ -187,10 +181,6 @@ class Config:
         if self.warpgroups == 2 and self.state_dots != "bf16":
             # Two consumers' S_0 lo tiles take the SMEM over the H100's 227 KiB (256,032 bytes asked).
             raise ValueError(f"warpgroups=2 needs state_dots='bf16' (S_0 hi only), got {self.state_dots!r}")
-        if self.transposed_state and self.block_v != BLOCK_V:
-            # S^T's rows are wgmma's M, which is a multiple of 64.
-            raise ValueError(f"transposed_state=True carries S^T, BV x K, as wgmma's A: block_v must be {BLOCK_V}, "
-                             f"got {self.block_v}")
         if self.warpgroups == 2 and self.block_v != HEAD_DIM // 2:
             raise ValueError(f"warpgroups=2 gives each consumer half of V: block_v must be {HEAD_DIM // 2}, got "
                              f"{self.block_v}")
@@ -300,8 +290,6 @@ class _Tiles:
     p_hi: object
     p_lo: object
     o_smem: object
-    a_hi: object = None  # `_forward_step_transposed` in the interpreter: its A operands through SMEM
-    a_lo: object = None
 
 
 def _forward_step(cfg, tiles, inputs, s, out_tiles, *, scale, segmented):
@@ -433,98 +421,6 @@ def _forward_step(cfg, tiles, inputs, s, out_tiles, *, scale, segmented):
     return s_next
 
 
-def _a_operand(x, tiles):
-    """An fp32 value (BV x C, WGMMA layout) as wgmma's A operand pair (hi, lo): registers, or (the interpreter,
-    `tiles.a_hi`) SMEM tiles, stored and fenced here."""
-    if tiles.a_hi is None:
-        return tuple(mc.wgmma_layout(part) for part in mc.split(x))
-    mc.store_split(x, tiles.a_hi, tiles.a_lo)
-    plgpu.commit_smem()
-    return tiles.a_hi, tiles.a_lo
-
-
-def _forward_step_transposed(cfg, tiles, inputs, s_t, out_tiles, *, scale, segmented):
-    """`_forward_step` with the state transposed: `s_t` is S^T (BV x K, fp32 registers), and returns the next
-    chunk's. With M = T diag(beta) (the inverse kernel's pair, in the tiles of T), f = carry exp(G) and
-    e = tail exp(G_C - G), the chain from S_0 to S_1 is
-
-        KS^T = S_0^T K^T                          (BV x C)     A: bf16(S_0^T), registers
-        u^T  = v^T M^T - (f (.) KS)^T M^T         (BV x C)     A: v^T (an SMEM view), then (f (.) KS)^T as a pair
-        S_1^T = survive S_0^T + (e (.) u)^T K     (BV x K)     A: (e (.) u)^T as a pair
-
-    so no SMEM store and fence sits between its products (the row layout's pass stores S_0, y and the update
-    operand as B tiles, three fences a chunk). The output O = f (.) Q S_0 + P u takes S_0^T and u^T from SMEM
-    tiles as transposed B views, after one fence. `inputs` as `_forward_step`'s, with f (for the columns) in
-    beta's place: beta is inside M, and Mosaic GPU's layout inference takes an SMEM vector as rows or as columns,
-    not both."""
-    (o_tile,) = out_tiles
-    q, k, v, m_hi, m_lo, g_hi, g_lo, f_cols, from_start, to_end, survive, g_hi_c, g_lo_c, doc, doc_c = inputs
-    C, K, BV = CHUNK, q.shape[-1], cfg.block_v
-    in_smem = tiles.a_hi is not None
-    m_t = (m_hi.transpose((1, 0)), m_lo.transpose((1, 0)))
-    s_bf16 = mc.wgmma_layout(mc.wgmma_layout(s_t).astype(BF16))
-    tiles.s_hi[...] = s_bf16  # S_0^T: Q S_0's B operand (a transposed view) below, and A here in the interpreter
-    if in_smem:
-        plgpu.commit_smem()
-
-    def decayed_scores(qk):
-        causal, _ = mc.chunk_masks(doc, doc_c, C, segmented)
-        p = mc.wgmma_layout(qk * mc.pair_decay(g_hi, g_lo, g_hi_c, g_lo_c, causal, C))
-        if tiles.p_hi is not None:
-            mc.store_split(p, tiles.p_hi, tiles.p_lo)
-            plgpu.commit_smem()
-            return None  # (a run_scoped body must not return refs)
-        return tuple(mc.wgmma_layout(part) for part in mc.split(p))
-
-    def values(ks_ref, qk_ref, u_ref):
-        plgpu.wgmma(ks_ref, tiles.s_hi if in_smem else s_bf16, k.transpose((1, 0)))
-        plgpu.wgmma(qk_ref, q, k.transpose((1, 0)))
-        v_t = v.transpose((1, 0))  # v's state-free share of u^T, issued with the chain's first product
-        plgpu.wgmma(u_ref, v_t, m_t[0])
-        plgpu.wgmma(u_ref, v_t, m_t[1])
-        ks, qk = mc.read(ks_ref, qk_ref)
-        y_hi, y_lo = _a_operand(mc.wgmma_layout(-(mc.cols(f_cols, BV) * ks)), tiles)
-        plgpu.wgmma(u_ref, y_hi, m_t[0])
-        plgpu.wgmma(u_ref, y_hi, m_t[1])
-        plgpu.wgmma(u_ref, y_lo, m_t[0])
-        p_parts = decayed_scores(qk)  # while u^T runs
-        return mc.read(u_ref), p_parts
-
-    u_t, p_parts = pl.run_scoped(values, mc.acc(BV, C), mc.acc(C, C), mc.acc(BV, C))
-    if in_smem:
-        p_parts = (tiles.p_hi, tiles.p_lo)
-    mc.store_split(u_t, tiles.u_hi, tiles.u_lo)  # P u's B operand below
-    x_hi, x_lo = _a_operand(mc.wgmma_layout(mc.cols(to_end, BV) * u_t), tiles)
-
-    def update(acc_ref):
-        plgpu.wgmma(acc_ref, x_hi, k)
-        plgpu.wgmma(acc_ref, x_lo, k)
-        return mc.read(acc_ref)
-
-    # The survival factor is one number per chunk (repeated K times): as rows of S^T it needs 2 values a thread
-    # where columns would need 32.
-    survive_rows = mc.rows(survive.at[pl.ds(0, BV)], K)
-    s_next = mc.wgmma_layout(survive_rows * s_t + pl.run_scoped(update, mc.acc(BV, K)))
-    plgpu.commit_smem()  # S_0^T and u^T for the output's wgmmas
-
-    def output(qs_ref, pu_ref):
-        plgpu.wgmma(qs_ref, q, tiles.s_hi.transpose((1, 0)))
-        u_hi, u_lo = tiles.u_hi.transpose((1, 0)), tiles.u_lo.transpose((1, 0))
-        plgpu.wgmma(pu_ref, p_parts[0], u_hi)
-        plgpu.wgmma(pu_ref, p_parts[0], u_lo)
-        plgpu.wgmma(pu_ref, p_parts[1], u_hi)
-        return mc.read(qs_ref, pu_ref)
-
-    qs, pu = pl.run_scoped(output, mc.acc(C, BV), mc.acc(C, BV))
-    o = mc.wgmma_layout(mc.rows(from_start, BV) * qs + pu)
-    o_smem = tiles.o_smem
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output has left o_smem
-    o_smem[...] = mc.wgmma_layout((scale * o).astype(o_smem.dtype))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_tile)
-    return s_next
-
-
 def _reverse_step(cfg, tiles, inputs, ds, out_tiles, *, scale, segmented):
     """The reverse pass (`wy_chunk._reverse_kernel`) for one chunk and one block dS (K x BV, fp32 registers) of the
     cotangent of the chunk's end state; returns that of its start state. `inputs` as `_forward_step`'s, with dO in
@@ -616,13 +512,11 @@ def _in_specs(cfg, key_dim, block_v, nt, reverse):
             vector(), vector(), vector(), vector(), vector(), vector(K), vector(), vector(), vector(), vector()]
 
 
-def _pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b, h, bh, v_cols, key_head,
-                   transposed=False):
+def _pipeline_refs(q_ref, k_ref, v_ref, t_ref, vec_ref, doc_ref, survive_ref, b, h, bh, v_cols, key_head):
     """The GMEM refs the pipeline walks for value head bh = b * Hv + h (whose q and k are those of `key_head`), in
-    `_in_specs`' order; `transposed` (`_forward_step_transposed`): carry exp(G) in beta's place."""
-    rows = (0, 1, 3, 3, 4) if transposed else range(5)
+    `_in_specs`' order."""
     return (q_ref.at[b, :, key_head, :], k_ref.at[b, :, key_head, :], v_ref.at[b, :, h, v_cols],
-            t_ref.at[0, b, :, h, :], t_ref.at[1, b, :, h, :], *(vec_ref.at[row, bh] for row in rows),
+            t_ref.at[0, b, :, h, :], t_ref.at[1, b, :, h, :], *(vec_ref.at[row, bh] for row in range(5)),
             survive_ref.at[bh], vec_ref.at[0, bh], vec_ref.at[1, bh], doc_ref.at[b], doc_ref.at[b])
 
 
@@ -641,7 +535,7 @@ def _split_refs(refs, kinds):
     return refs[:7], refs[7], refs[8], refs[9:n], list(refs[n:])
 
 
-def _pass_body(*refs, step, kinds, reverse, nt, num_heads, group, key_dim, cfg, transposed=False):
+def _pass_body(*refs, step, kinds, reverse, nt, num_heads, group, key_dim, cfg):
     """One CTA of one warpgroup: value head bh = b * Hv + h, V block j; walks the chunks in order (`reverse`: last
     first) with its state block in registers, s = step(tiles, inputs, s, out_tiles) per chunk. The GMEM inputs:
     q, k (B, Tp, H, K), read at key head h // `group` (Hv = group * H value heads share a key head); v (or dO)
@@ -653,15 +547,14 @@ def _pass_body(*refs, step, kinds, reverse, nt, num_heads, group, key_dim, cfg, 
     Mosaic GPU's layout inference finds no solution when one SMEM vector is loaded in both the row and the column
     layout (see docs/mosaic.md)."""
     inputs, init_ref, last_ref, out_refs, scratch = _split_refs(refs, kinds)
-    tiles = _unpack_tiles(cfg, scratch, key_dim, two_pairs=True, reverse=reverse, transposed=transposed)
+    tiles = _unpack_tiles(cfg, scratch, key_dim, two_pairs=True, reverse=reverse)
     j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
     cols = pl.ds(j * cfg.block_v, cfg.block_v)
-    state = _state_block(b, h, cols, transposed)
 
     # The state block goes between GMEM and registers directly (once per CTA, not worth SMEM and a TMA).
-    s0 = plgpu.load(init_ref.at[state], layout=plgpu.Layout.WGMMA, optimized=False)
+    s0 = plgpu.load(init_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
 
     def chunk(indices, *chunk_inputs):
         (n,) = indices
@@ -671,17 +564,12 @@ def _pass_body(*refs, step, kinds, reverse, nt, num_heads, group, key_dim, cfg, 
 
     pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(cfg, key_dim, cfg.block_v, nt, reverse),
                                    max_concurrent_steps=cfg.stages, init_carry=s0)
-    last = pipeline(*_pipeline_refs(*inputs, b, h, bh, cols, h // group, transposed))
-    last_ref.at[state][...] = last
+    last = pipeline(*_pipeline_refs(*inputs, b, h, bh, cols, h // group))
+    last_ref.at[b, h, :, cols][...] = last
     plgpu.wait_smem_to_gmem(0)
 
 
-def _state_block(b, h, cols, transposed):
-    """The index of a CTA's state block in a (B, H, K, V) state, or (`transposed`) in its (B, H, V, K) transpose."""
-    return (b, h, cols, slice(None)) if transposed else (b, h, slice(None), cols)
-
-
-def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, group, key_dim, cfg, transposed=False):
+def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, group, key_dim, cfg):
     """`_pass_body` with one CTA per value head: two consumer warpgroups, each with the state block of one half of
     V (BV = 64 of 128), and a producer warpgroup streaming the chunk inputs through TMA
     (`emit_pipeline_warp_specialized`). q, k, T and the vectors are loaded once for both halves. Each consumer has
@@ -689,12 +577,10 @@ def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, group, ke
     inputs, init_ref, last_ref, out_refs, scratch = _split_refs(refs, kinds)
     value_dim = inputs[2].shape[-1]  # v's whole width, loaded once for both consumers
     wg = lax.axis_index("wg")
-    tiles = _unpack_tiles(cfg, [ref.at[wg] for ref in scratch], key_dim, two_pairs=False, reverse=reverse,
-                          transposed=transposed)
+    tiles = _unpack_tiles(cfg, [ref.at[wg] for ref in scratch], key_dim, two_pairs=False, reverse=reverse)
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
     cols = pl.ds(wg * cfg.block_v, cfg.block_v)
-    state = _state_block(b, h, cols, transposed)
 
     def chunk(indices, *chunk_inputs):
         (n,) = indices
@@ -704,25 +590,19 @@ def _pass_body_shared_head(*refs, step, kinds, reverse, nt, num_heads, group, ke
         return step(tiles, chunk_inputs, s, _chunk_tiles(out_refs, kinds, b, h, i, cols, key_dim))
 
     def consumer(run_pipeline):
-        s0 = plgpu.load(init_ref.at[state], layout=plgpu.Layout.WGMMA, optimized=False)
-        last_ref.at[state][...] = run_pipeline(s0)
+        s0 = plgpu.load(init_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+        last_ref.at[b, h, :, cols][...] = run_pipeline(s0)
         plgpu.wait_smem_to_gmem(0)
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
         chunk, grid=(nt,), in_specs=_in_specs(cfg, key_dim, value_dim, nt, reverse), max_concurrent_steps=cfg.stages,
         memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=2, compute_context=consumer)
-    pipeline(*_pipeline_refs(*inputs, b, h, bh, slice(None), h // group, transposed))
+    pipeline(*_pipeline_refs(*inputs, b, h, bh, slice(None), h // group))
 
 
-def _tile_shapes(cfg, key_dim, two_pairs, reverse, transposed=False):
-    """`_Tiles`' fields in use, as (name, shape, tiled) in order. `transposed` (`_forward_step_transposed`): S_0^T
-    and u^T's pair (the B operands of the output), the interpreter's A pair and P."""
+def _tile_shapes(cfg, key_dim, two_pairs, reverse):
+    """`_Tiles`' fields in use, as (name, shape, tiled) in order."""
     C, K, BV = CHUNK, key_dim, cfg.block_v
-    if transposed:
-        shapes = [("s_hi", (BV, K)), ("u_hi", (BV, C)), ("u_lo", (BV, C))]
-        if cfg.p_operand == "smem":
-            shapes += [("a_hi", (BV, C)), ("a_lo", (BV, C)), ("p_hi", (C, C)), ("p_lo", (C, C))]
-        return [(name, shape, True) for name, shape in shapes] + [("o_smem", (C, BV), False)]
     shapes = [("s_hi", (K, BV))] + ([("s_lo", (K, BV))] if cfg.state_dots == "split" else [])
     shapes += [("x_hi", (C, BV)), ("x_lo", (C, BV))]
     shapes += [("u_hi", (C, BV)), ("u_lo", (C, BV))] if two_pairs else []
@@ -731,27 +611,27 @@ def _tile_shapes(cfg, key_dim, two_pairs, reverse, transposed=False):
     return [(name, shape, True) for name, shape in shapes] + [("o_smem", (C, BV), reverse)]
 
 
-def _unpack_tiles(cfg, scratch, key_dim, two_pairs, reverse, transposed=False):
+def _unpack_tiles(cfg, scratch, key_dim, two_pairs, reverse):
     fields = dict.fromkeys(f.name for f in dataclasses.fields(_Tiles))
-    for (name, _, _), ref in zip(_tile_shapes(cfg, key_dim, two_pairs, reverse, transposed), scratch, strict=True):
+    for (name, _, _), ref in zip(_tile_shapes(cfg, key_dim, two_pairs, reverse), scratch, strict=True):
         fields[name] = ref
     return _Tiles(**fields)
 
 
 def _pass_kernel(cfg, step, kinds, out_type, dtype, *, reverse, nt, batch, num_heads, group, key_dim, value_dim,
-                 interpret, name, transposed=False):
+                 interpret, name):
     """The `plgpu.kernel` of a sequential pass (`_pass_body`, or `_pass_body_shared_head` with
     `Config.warpgroups=2`) over `batch` rows of `num_heads` value heads, `group` of them per key head, with head
     dims `key_dim` and `value_dim`. `out_type`: the state it ends with, then the per-chunk outputs (`kinds`);
     `dtype`: that of the forward's output tile."""
     body = dict(step=step, kinds=kinds, reverse=reverse, nt=nt, num_heads=num_heads, group=group, key_dim=key_dim,
-                cfg=cfg, transposed=transposed)
+                cfg=cfg)
     interpret = plgpu.InterpretGPUParams() if interpret else False
     batch_heads = batch * num_heads
     shared = cfg.warpgroups == 2
     lead = (2,) if shared else ()
     scratch = tuple(mc.tiled(lead + shape, _swizzle(cfg)) if tiled else plgpu.SMEM(lead + shape, dtype)
-                    for _, shape, tiled in _tile_shapes(cfg, key_dim, not shared, reverse, transposed))
+                    for _, shape, tiled in _tile_shapes(cfg, key_dim, not shared, reverse))
     if shared:
         return plgpu.kernel(
             functools.partial(_pass_body_shared_head, **body), out_type=out_type, scratch_types=scratch,
@@ -767,14 +647,11 @@ def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, seg
                   with_states=False, with_u=True):
     """(o, final state), and `with_states` every chunk's start state (bf16, (B, H, nt*K, V)) and (`with_u`) u as
     its bf16 (hi, lo) halves (two (B, Tp, H, V) arrays), the residuals of the backward. H is v's heads (Hv), a
-    multiple of q's. With `Config.transposed_state` and no residuals, the pass carries S^T
-    (`_forward_step_transposed`) and `t_pair` is T diag(beta)'s pair (`_prologue(beta_columns=True)`)."""
+    multiple of q's."""
     B, Tp, _, K = q.shape
     H, V = v.shape[2:]
-    transposed = cfg.transposed_state and not with_states
     # The final state, then the per-chunk outputs (`_pass_body`'s order).
-    state_shape = (B, H, V, K) if transposed else (B, H, K, V)
-    out_type = (jax.ShapeDtypeStruct(state_shape, F32), jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype))
+    out_type = (jax.ShapeDtypeStruct((B, H, K, V), F32), jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype))
     kinds = ("tokens",)
     if with_states:
         out_type += (jax.ShapeDtypeStruct((B, H, Tp // CHUNK * K, V), BF16),)
@@ -782,15 +659,10 @@ def _forward_pass(cfg, q, k, v, t_pair, vectors, doc, survive, h0, *, scale, seg
     if with_states and with_u:
         out_type += (jax.ShapeDtypeStruct((B, Tp, H, V), BF16),) * 2
         kinds += ("tokens", "tokens")
-    step = functools.partial(_forward_step_transposed if transposed else _forward_step, cfg, scale=scale,
-                             segmented=segmented)
+    step = functools.partial(_forward_step, cfg, scale=scale, segmented=segmented)
     kernel = _pass_kernel(cfg, step, kinds, out_type, v.dtype, reverse=False, nt=Tp // CHUNK, batch=B, num_heads=H,
                           group=H // q.shape[2], key_dim=K, value_dim=V, interpret=interpret,
-                          name="wy_forward_mosaic_transposed" if transposed else "wy_forward_mosaic",
-                          transposed=transposed)
-    if transposed:  # the states go in and out as (B, H, V, K): the CTAs' blocks are then rows
-        final, o = kernel(q, k, v, t_pair, vectors, doc, survive, jnp.swapaxes(h0, 2, 3))
-        return o, jnp.swapaxes(final, 2, 3)
+                          name="wy_forward_mosaic")
     final, o, *saved = kernel(q, k, v, t_pair, vectors, doc, survive, h0)
     return (o, final, *saved)
 
@@ -830,37 +702,27 @@ def _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, *, key_dim, seg
     return (g, *_pass_vectors(g, beta, doc, carry, tail, key_dim))
 
 
-def _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, *, segmented, interpret, reverse_fp32=False,
-              beta_columns=False):
+def _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, *, segmented, interpret, reverse_fp32=False):
     """The chunk-parallel parts before the pass, in Triton (and XLA): (g, fp32 T where `reverse_fp32` asks for it
-    else None, the pass's inputs (T as a bf16 pair (2, B, Tp, H, C), vectors, doc, survive)); `beta_columns`: the
-    pair of T diag(beta) instead (`_forward_step_transposed`)."""
+    else None, the pass's inputs (T as a bf16 pair (2, B, Tp, H, C), vectors, doc, survive))."""
     g, vectors, doc_f, survive = _chunk_vectors(cfg, tcfg, log_decay, beta, doc, carry, tail, key_dim=k.shape[-1],
                                                 segmented=segmented, interpret=interpret)
     if cfg.inverse_pair == "kernel":
-        written = wy_chunk._inverse(tcfg, k, beta, g, doc, pair=True, fp32=reverse_fp32, beta_columns=beta_columns)
+        written = wy_chunk._inverse(tcfg, k, beta, g, doc, pair=True, fp32=reverse_fp32)
         t_fp32, t_pair = written if reverse_fp32 else (None, written)
     else:
         # Split in XLA: the plain x - f32(bf16(x)) is folded to 0 on the GPU (`common.split_bf16_in_xla`).
         t_fp32 = wy_chunk._inverse(tcfg, k, beta, g, doc)
-        t_pair = jnp.stack(split_bf16_in_xla(_beta_columns(t_fp32, beta) if beta_columns else t_fp32))
+        t_pair = jnp.stack(split_bf16_in_xla(t_fp32))
         t_fp32 = t_fp32 if reverse_fp32 else None
     return g, t_fp32, (t_pair, vectors, doc_f, survive)
-
-
-def _beta_columns(t, beta):
-    """T diag(beta) of every chunk: T (B, Tp, H, C) fp32, column s of chunk n scaled by beta at token n C + s."""
-    B, Tp, H, C = t.shape
-    by_column = jnp.swapaxes(beta.astype(F32).reshape(B, Tp // C, C, H), 2, 3)  # (B, nt, H, C)
-    return (t.reshape(B, Tp // C, C, H, C) * by_column[:, :, None]).reshape(t.shape)
 
 
 def _pass_inputs(cfg, q, k, beta, log_decay, doc, carry, tail, *, scale, segmented, interpret, v=None):
     """The forward pass's inputs after q, k, v: T's bf16 pair, the vectors, the document index and the survival
     factors (`_prologue`). `v` (its shape only) where value heads outnumber q's."""
     tcfg = _triton_config(q, q if v is None else v, scale=scale, segmented=segmented, interpret=interpret)
-    return _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, segmented=segmented, interpret=interpret,
-                     beta_columns=cfg.transposed_state)[2]
+    return _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, segmented=segmented, interpret=interpret)[2]
 
 
 def _pass_vectors(g, beta, doc, carry, tail, key_dim):
@@ -888,7 +750,7 @@ def _wy_mosaic(static, q, k, v, beta, log_decay, doc, carry, tail, h0):
         t = wy_chunk._inverses(tcfg, k, beta, g, doc)
         return wy_chunk._forward_pass(tcfg, q, k, v, beta, t, g, doc, carry, tail, h0, with_states=False)
     *_, inputs = _prologue(cfg, tcfg, k, beta, log_decay, doc, carry, tail, segmented=segmented,
-                           interpret=interpret, beta_columns=cfg.transposed_state)
+                           interpret=interpret)
     return _forward_pass(cfg, q, k, v, *inputs, h0, scale=scale, segmented=segmented, interpret=interpret)
 
 

@@ -333,11 +333,8 @@ def _exact_dot(a, b, fp32):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _store_inverse(t_refs, rows, cols, value, col_scale=None):
-    """Writes a block of T into each ref: fp32, or its bf16 pair (hi, lo) where the ref has a leading axis of 2.
-    `col_scale` (the block's columns' beta): the block of T diag(beta) instead."""
-    if col_scale is not None:
-        value = value * col_scale[None, :]
+def _store_inverse(t_refs, rows, cols, value):
+    """Writes a block of T into each ref: fp32, or its bf16 pair (hi, lo) where the ref has a leading axis of 2."""
     for ref in t_refs:
         if len(ref.shape) == 3:
             hi, lo = _split_bf16(value)
@@ -365,11 +362,11 @@ def inverse_spec(cfg, index_map, *, pair=False):
     return pl.BlockSpec((None, C, None, C), index_map)
 
 
-def _inverse_kernel(k_ref, beta_ref, g_ref, doc_ref, *t_refs, cfg: Config, beta_columns=False):
+def _inverse_kernel(k_ref, beta_ref, g_ref, doc_ref, *t_refs, cfg: Config):
     if cfg.inverse_method == "blocks16":
-        _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg, beta_columns)
+        _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg)
     elif cfg.inverse_method == "batched16":
-        _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg, beta_columns)
+        _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg)
     else:
         raise ValueError(f"inverse_method must be one of {INVERSE_METHODS}, got {cfg.inverse_method!r}")
 
@@ -407,7 +404,7 @@ def _inverse_from_a_kernel(a_ref, *t_refs, fp32: bool):
             _store_inverse(t_refs, blocks[i], blocks[j], column.get(i, zero))
 
 
-def _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg, beta_columns=False):
+def _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
     """T of eq. (2) by halves of the chunk (h = C/2 rows): A_11, A_22 and A_21 from three h x h x K dots, the 2h/SUB
     diagonal SUB-blocks of both halves inverted side by side (`_block_diagonal_inverses`, SUB - 1 serial steps in
     all), merged inside each half, then T_21 = -T_22 A_21 T_11. All products of the merges are exact (`_exact_dot`).
@@ -441,15 +438,13 @@ def _inverse_batched16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg, beta_column
         for i, a in enumerate(diagonal):
             t[i] = t[i] - _exact_dot(t[i], _exact_dot(jnp.where(inside, a, 0.0), t[i], fp32), fp32)
         n *= 2
-    scale = beta if beta_columns else (None, None)  # T diag(beta): each block's columns by their beta
-    _store_inverse(t_refs, halves[0], halves[0], t[0], scale[0])
-    _store_inverse(t_refs, halves[1], halves[1], t[1], scale[1])
-    _store_inverse(t_refs, halves[1], halves[0], -_exact_dot(t[1], _exact_dot(block(1, 0), t[0], fp32), fp32),
-                   scale[0])
+    _store_inverse(t_refs, halves[0], halves[0], t[0])
+    _store_inverse(t_refs, halves[1], halves[1], t[1])
+    _store_inverse(t_refs, halves[1], halves[0], -_exact_dot(t[1], _exact_dot(block(1, 0), t[0], fp32), fp32))
     _store_inverse(t_refs, halves[0], halves[1], jnp.zeros((h, h), F32))
 
 
-def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg, beta_columns=False):
+def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
     """T of eq. (2) block by block, one block row at a time: row i's blocks of A from SUB x SUB x K dots, its
     diagonal block inverted by forward substitution (`_unit_lower_inverse`), then T_ij = -T_ii sum_m A_im T_mj
     (j < i, from the rows above) with exact SUB x SUB dots; the row is stored and its A blocks dropped.
@@ -479,18 +474,11 @@ def _inverse_blocks16(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg, beta_columns
                 acc = acc + exact(a[m], t[m, j])
             t[i, j] = -exact(t[i, i], acc)
         for j in range(nb):
-            if j > i:
-                _store_inverse(t_refs, blocks[i], blocks[j], jnp.zeros((SUB, SUB), F32))
-            else:  # with `beta_columns`, T diag(beta)
-                _store_inverse(t_refs, blocks[i], blocks[j], t[i, j], beta_ref[blocks[j]] if beta_columns else None)
+            _store_inverse(t_refs, blocks[i], blocks[j], t[i, j] if j <= i else jnp.zeros((SUB, SUB), F32))
 
 
-def _inverse(cfg, k, beta, g, doc, *, pair=False, fp32=True, beta_columns=False):
-    """T (fp32) of every chunk and/or (`pair`) its bf16 pair (hi, lo); a tuple (fp32, pair) when both.
-    `beta_columns`: T diag(beta) instead ("blocks16" and "batched16"), the operand of the Mosaic forward pass that
-    carries the state transposed (`mosaic_wy.Config.transposed_state`)."""
-    if beta_columns and cfg.inverse_method == "blocks16_from_a":
-        raise ValueError("beta_columns=True needs inverse_method 'blocks16' or 'batched16', got 'blocks16_from_a'")
+def _inverse(cfg, k, beta, g, doc, *, pair=False, fp32=True):
+    """T (fp32) of every chunk and/or (`pair`) its bf16 pair (hi, lo); a tuple (fp32, pair) when both."""
     B, Tp, H, K = k.shape
     Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads
     key = lambda t, bh: (bh // Hv, t, (bh % Hv) // G, 0)
@@ -513,8 +501,7 @@ def _inverse(cfg, k, beta, g, doc, *, pair=False, fp32=True, beta_columns=False)
         out = inverse(functools.partial(_inverse_from_a_kernel, fp32=k.dtype == F32),
                       in_specs=[inverse_spec(cfg, head)])(a)
     else:
-        out = inverse(functools.partial(_inverse_kernel, cfg=cfg, beta_columns=beta_columns),
-                      in_specs=in_specs)(k, beta, g, doc)
+        out = inverse(functools.partial(_inverse_kernel, cfg=cfg), in_specs=in_specs)(k, beta, g, doc)
     return tuple(out) if len(out) == 2 else out[0]
 
 

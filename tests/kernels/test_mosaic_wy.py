@@ -94,8 +94,6 @@ INTERPRETED_CONFIGS = {
     "query_state_early": dataclasses.replace(_INTERPRETED, query_state_late=False),
     "block_v32": dataclasses.replace(_INTERPRETED, block_v=32),
     "block_v16": dataclasses.replace(_INTERPRETED, block_v=16),
-    "transposed": dataclasses.replace(_INTERPRETED, transposed_state=True),
-    "shared_head_transposed": dataclasses.replace(_INTERPRETED, transposed_state=True, warpgroups=2),
 }
 # The compiled kernel's configs (lowered in CI, run on the GPU), around its default (P from registers).
 _COMPILED = mosaic_wy.default_config(interpret=False)
@@ -111,8 +109,6 @@ GPU_CONFIGS = {
     "shared_head_query_state_early": dataclasses.replace(_COMPILED, warpgroups=2, query_state_late=False),
     "block_v32": dataclasses.replace(_COMPILED, block_v=32),
     "block_v16": dataclasses.replace(_COMPILED, block_v=16),
-    "transposed": dataclasses.replace(_COMPILED, transposed_state=True),
-    "shared_head_transposed": dataclasses.replace(_COMPILED, transposed_state=True, warpgroups=2),
 }
 
 
@@ -126,7 +122,7 @@ def test_decoding_from_a_state_in_interpreter(T, config):
     _check(x, config=INTERPRETED_CONFIGS[config])
 
 
-@pytest.mark.parametrize("config", ["default", "separate", "state_split", "transposed"])
+@pytest.mark.parametrize("config", ["default", "separate", "state_split"])
 def test_correlated_keys_in_interpreter(config):
     """Keys = common vector + 0.02 noise (normalised), beta in [1.9, 2), decay near 0: T far from the identity."""
     key = fresh_key()
@@ -141,7 +137,7 @@ def test_correlated_keys_in_interpreter(config):
 
 
 @pytest.mark.parametrize("config", ["inverse_xla", "p_after_u", "shared_head", "query_state_early", "block_v32",
-                                    "block_v16", "transposed", "shared_head_transposed"])
+                                    "block_v16"])
 def test_configs_match_scan_in_interpreter(config):
     """The knobs that change where T's halves are formed, when P is, how warpgroups share a head, or how wide a
     CTA's state block is, on packed documents with an initial state."""
@@ -650,7 +646,7 @@ def test_gpu_matches_scan(packed, config):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("config", ["default", "shared_head", "state_split", "shared_head_transposed"])
+@pytest.mark.parametrize("config", ["default", "shared_head", "state_split"])
 @pytest.mark.parametrize("T", [1, 3])
 def test_gpu_decoding_from_a_state(T, config):
     """Compiled, a few tokens from an initial state (see `test_decoding_from_a_state_in_interpreter`)."""

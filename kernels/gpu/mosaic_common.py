@@ -9,11 +9,16 @@ lo = bf16(x - hi), and a product of two such operands is hi*hi + hi*lo + lo*hi (
 from __future__ import annotations
 
 import itertools
+import os
 
+import jax.experimental.mosaic.gpu as mgpu
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import llvm, vector
+import numpy as np
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -48,10 +53,60 @@ def read(*acc_refs):
     return values[0] if len(acc_refs) == 1 else values
 
 
+# Splits in pairs of elements (`split`): opt-in until its compiled tests have run (docs/mosaic.md, "bf16 splits
+# in pairs"); set by `DELTAJAX_PAIRED_CONVERSIONS=1` or here. Compiled kernels only: the Mosaic GPU interpreter
+# cannot run `plgpu.inline_mgpu`, and says so.
+PAIRED_CONVERSIONS = os.environ.get("DELTAJAX_PAIRED_CONVERSIONS", "0") == "1"
+
+
 def split(x):
-    """x = hi + lo (+ ~2^-17 |x|) as two bf16 values."""
+    """x = hi + lo (+ ~2^-17 |x|) as two bf16 values (WGMMA layout). With `PAIRED_CONVERSIONS`, two elements per
+    conversion instruction (`_split_in_pairs`)."""
+    if PAIRED_CONVERSIONS:
+        return _split_in_pairs(x)
     hi = x.astype(BF16)
     return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+# Each register of the WGMMA layout holds two fp32 elements, a and b. `cvt.rn.bf16x2.f32` rounds both to bf16 in one
+# instruction, with the round-to-nearest-even of the scalar conversion that Mosaic GPU's `astype` emits once per
+# element (then packing the halves); the remainders x - hi are exact in fp32 and rounded the same way. On the H200
+# the scalar form took 128 conversions and 80 packing permutes per warp and chunk of the forward pass, whose
+# conversions held the most stall samples of any instruction (docs/mosaic.md).
+_SPLIT_PAIR_PTX = """{
+.reg .b32 hi, hb;
+.reg .f32 fa, fb, ra, rb;
+cvt.rn.bf16x2.f32 hi, $3, $2;
+shl.b32 fa, hi, 16;
+and.b32 hb, hi, 0xffff0000;
+mov.b32 fb, hb;
+sub.f32 ra, $2, fa;
+sub.f32 rb, $3, fb;
+cvt.rn.bf16x2.f32 $1, rb, ra;
+mov.b32 $0, hi;
+}"""
+
+
+def _split_in_pairs(x):
+    """`split` by `_SPLIT_PAIR_PTX` on each register (a, b) of the WGMMA layout: (hi, lo) as two bf16 arrays."""
+    layout = plgpu.Layout.WGMMA
+    out = plgpu.ShapeDtypeStruct(x.shape, BF16, layout=layout)
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=(out, out))
+    def convert(ctx, arr):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        word, pair = ir.VectorType.get((1,), i32), ir.VectorType.get((2,), ir.BF16Type.get())
+        halves = np.empty_like(arr.registers), np.empty_like(arr.registers)
+        for idx, reg in np.ndenumerate(arr.registers):
+            a, b = (vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                    for i in range(2))
+            both = llvm.inline_asm(llvm.StructType.get_literal([i32, i32]), [a, b], _SPLIT_PAIR_PTX, "=r,=r,f,f")
+            for part, regs in enumerate(halves):  # the low 16 bits of each word are element a
+                regs[idx] = vector.bitcast(pair, vector.broadcast(word, llvm.extractvalue(i32, both, [part])))
+        return tuple(mgpu.FragmentedArray(_registers=regs, _layout=arr.layout, _is_signed=None) for regs in halves)
+
+    return convert(wgmma_layout(x))
 
 
 def wgmma_layout(x):

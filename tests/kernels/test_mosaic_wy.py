@@ -534,6 +534,17 @@ def _lowered_call_and_gradient(cfg, H, Hv, K=D, V=D, B=1, T=130):
     return forward, gradient
 
 
+def test_paired_splits_lower_for_cuda(monkeypatch):
+    """With `mosaic_common.PAIRED_CONVERSIONS` (bf16 splits two elements per conversion, compiled only), the call
+    with one CTA per head and its gradient lower for an abstract H100 (one Mosaic GPU call forward, three in the
+    gradient), the paired conversion in both."""
+    from deltajax.kernels.gpu import mosaic_common
+    monkeypatch.setattr(mosaic_common, "PAIRED_CONVERSIONS", True)
+    forward, gradient = _lowered_call_and_gradient(GPU_CONFIGS["shared_head"], H=2, Hv=2)
+    assert forward.count("custom_call @mosaic_gpu_v2") == 1 and "cvt.rn.bf16x2.f32" in forward
+    assert gradient.count("custom_call @mosaic_gpu_v2") == 3 and "cvt.rn.bf16x2.f32" in gradient
+
+
 @pytest.mark.parametrize("config", ["default", "shared_head", "block_v32"])
 def test_grouped_value_heads_lower_for_cuda(config):
     """Hv = 2H, the call and its gradient lowered for an abstract H100: the passes and the gradient kernel
@@ -698,3 +709,16 @@ def test_gpu_grouped_value_heads_match_scan(config):
     x = _bf16_inputs(fresh_key(), B=2, T=1000, H=4, Hv=8, beta_max=2.0, packed=True, with_initial_state=True)
     _check(x, config=GPU_CONFIGS[config])
     _check_grads(x, GPU_CONFIGS[config])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config", ["shared_head", "block_v32"])
+def test_gpu_paired_conversions_match_scan(monkeypatch, config):
+    """Compiled with `mosaic_common.PAIRED_CONVERSIONS` (every bf16 split two elements per conversion): the
+    output, the final state and every gradient against the fp32 scan, packed documents, an initial state."""
+    from deltajax.kernels.gpu import mosaic_common
+    monkeypatch.setattr(mosaic_common, "PAIRED_CONVERSIONS", True)
+    x = _bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=True, with_initial_state=True)
+    cfg = dataclasses.replace(GPU_CONFIGS[config], mosaic_forward=True, mosaic_reverse=True)
+    _check(x, config=cfg)
+    _check_grads(x, cfg)

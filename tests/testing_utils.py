@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from deltajax.rules import chunk
 
@@ -21,6 +21,12 @@ from deltajax.rules import chunk
 # (`covering`); on an accelerator, where the kernels run compiled, and with DELTAJAX_FULL_MATRIX=1, every
 # combination runs.
 FULL_MATRIX = jax.default_backend() != "cpu" or os.environ.get("DELTAJAX_FULL_MATRIX") == "1"
+
+# An abstract H100 for lowering the GPU kernels on a CPU: `with jax.sharding.use_abstract_mesh(H100):` around
+# `jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))`.
+H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
+                    abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                                   platform="gpu"))
 
 
 def covering(*axes):

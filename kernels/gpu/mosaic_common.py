@@ -62,8 +62,11 @@ PAIRED_CONVERSIONS = os.environ.get("DELTAJAX_PAIRED_CONVERSIONS", "0") == "1"
 def split(x):
     """x = hi + lo (+ ~2^-17 |x|) as two bf16 values (WGMMA layout). With `PAIRED_CONVERSIONS`, two elements per
     conversion instruction (`_split_in_pairs`)."""
-    if PAIRED_CONVERSIONS:
-        return _split_in_pairs(x)
+    return _split_in_pairs(x) if PAIRED_CONVERSIONS else split_scalar(x)
+
+
+def split_scalar(x):
+    """`split` by Mosaic GPU's `astype`, one conversion per element (the default, and what the interpreter runs)."""
     hi = x.astype(BF16)
     return hi, (x - hi.astype(F32)).astype(BF16)
 

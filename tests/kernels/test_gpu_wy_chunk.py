@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import deltajax
 from deltajax.kernels import gpu as pallas_gpu
@@ -24,7 +23,7 @@ from deltajax.kernels.gpu import wy_chunk
 from deltajax.kernels.gpu.wy_chunk import chunk_wy, default_config
 from deltajax.rules import dispatch, step_size
 from deltajax.rules.scan import recurrent_scan
-from testing_utils import chunk_form_bounds, covering, fresh_key, relative_error, rule_inputs, share
+from testing_utils import H100, chunk_form_bounds, covering, fresh_key, relative_error, rule_inputs, share
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
@@ -469,10 +468,6 @@ def test_supports_fails_closed():
 # ---------------------------------------------------------------------------------------------------------------
 # Lowering every supported configuration for CUDA on CPU (abstract H100)
 # ---------------------------------------------------------------------------------------------------------------
-
-H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
-                    abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                                   platform="gpu"))
 
 
 def _lower_for_cuda(op, K, V, dtype, *, T=130, segmented=True, init=True, decay=True, grad=None):

@@ -2,7 +2,7 @@
 
 On CPU: the split kernel lowered for an abstract H100 (the Mosaic GPU interpreter cannot run `plgpu.inline_mgpu`;
 the passes with paired splits: `test_mosaic_wy.py::test_paired_splits_lower_for_cuda`). On a GPU: the paired split
-against Mosaic GPU's scalar conversions, bit for bit.
+against Mosaic GPU's scalar conversions (`split_scalar`), bit for bit.
 """
 
 import functools
@@ -12,21 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from deltajax.kernels.gpu import mosaic_common as mc
+from testing_utils import H100
 
 ON_GPU = jax.default_backend() == "gpu"
-H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
-                    abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                                   platform="gpu"))
 N = 64
 
 
 def _split_kernel(x_ref, hi_ref, lo_ref, *, paired):
     x = plgpu.load(x_ref, layout=plgpu.Layout.WGMMA, optimized=False)
-    hi, lo = mc._split_in_pairs(x) if paired else (x.astype(mc.BF16), (x - x.astype(mc.BF16).astype(mc.F32))
-                                                   .astype(mc.BF16))
+    hi, lo = mc._split_in_pairs(x) if paired else mc.split_scalar(x)
     hi_ref[...] = mc.wgmma_layout(hi)
     lo_ref[...] = mc.wgmma_layout(lo)
 
@@ -55,7 +51,7 @@ def _edge_values(rng):
     rows = N // 8
     ties = (bits[:rows] & np.uint32(0xFFFF0000)) | np.uint32(0x8000)  # exactly halfway
     bits[:rows] = ties
-    bits[rows:2 * rows] = ties[:, :] + np.uint32(1)
+    bits[rows:2 * rows] = ties + np.uint32(1)
     bits[2 * rows:3 * rows] = ties - np.uint32(1)
     bits[3 * rows:4 * rows] = rng.integers(1, 1 << 23, (rows, N), dtype=np.uint32)  # subnormals
     bits[4 * rows:5 * rows] = np.uint32(0x3F7FFFFF) - rng.integers(0, 1 << 15, (rows, N), dtype=np.uint32)

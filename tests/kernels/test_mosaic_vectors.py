@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from deltajax.kernels.gpu import mosaic_vectors, mosaic_wy, mosaic_wy_grads, wy_chunk
-from testing_utils import fresh_key, relative_error, rule_inputs
+from testing_utils import H100, fresh_key, relative_error, rule_inputs
 
 ON_GPU = jax.default_backend() == "gpu"
 C, K = mosaic_vectors.CHUNK, mosaic_wy.HEAD_DIM
@@ -148,11 +147,6 @@ def test_epilogue_in_interpreter(tiny_gates):
     key = fresh_key()
     _check_epilogue(jax.random.fold_in(key, 2), _padded(key, B=2, T=200, H=4, family="mixed", packed=True),
                     segmented=True, tiny_gates=tiny_gates)
-
-
-H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
-                    abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                                   platform="gpu"))
 
 
 @pytest.mark.parametrize("H", [3, 16])

@@ -16,16 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import deltajax
 from deltajax.kernels import gpu as pallas_gpu
-from deltajax.kernels.gpu import mosaic_wy
+from deltajax.kernels.gpu import mosaic_common, mosaic_wy
 from deltajax.kernels.gpu.common import split_bf16_in_xla
 from deltajax.kernels.gpu.mosaic_wy import chunk_wy_mosaic
 from deltajax.rules import dispatch
 from deltajax.rules.scan import recurrent_scan
-from testing_utils import covering, fresh_key, relative_error, rule_inputs
+from testing_utils import H100, covering, fresh_key, relative_error, rule_inputs
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
@@ -485,11 +484,6 @@ def test_hopper_check_is_false_on_cpu():
     assert ON_GPU or not pallas_gpu.hopper_compute_capability()
 
 
-H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
-                    abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                                   platform="gpu"))
-
-
 @pytest.mark.parametrize("segmented,init,config",
                          [(False, False, "default"), (False, True, "default"), (True, False, "default")]
                          + [(True, True, name) for name in GPU_CONFIGS])
@@ -538,7 +532,6 @@ def test_paired_splits_lower_for_cuda(monkeypatch):
     """With `mosaic_common.PAIRED_CONVERSIONS` (bf16 splits two elements per conversion, compiled only), the call
     with one CTA per head and its gradient lower for an abstract H100 (one Mosaic GPU call forward, three in the
     gradient), the paired conversion in both."""
-    from deltajax.kernels.gpu import mosaic_common
     monkeypatch.setattr(mosaic_common, "PAIRED_CONVERSIONS", True)
     forward, gradient = _lowered_call_and_gradient(GPU_CONFIGS["shared_head"], H=2, Hv=2)
     assert forward.count("custom_call @mosaic_gpu_v2") == 1 and "cvt.rn.bf16x2.f32" in forward
@@ -716,7 +709,6 @@ def test_gpu_grouped_value_heads_match_scan(config):
 def test_gpu_paired_conversions_match_scan(monkeypatch, config):
     """Compiled with `mosaic_common.PAIRED_CONVERSIONS` (every bf16 split two elements per conversion): the
     output, the final state and every gradient against the fp32 scan, packed documents, an initial state."""
-    from deltajax.kernels.gpu import mosaic_common
     monkeypatch.setattr(mosaic_common, "PAIRED_CONVERSIONS", True)
     x = _bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=True, with_initial_state=True)
     cfg = dataclasses.replace(GPU_CONFIGS[config], mosaic_forward=True, mosaic_reverse=True)

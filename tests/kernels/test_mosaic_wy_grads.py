@@ -13,11 +13,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from deltajax.kernels.gpu import mosaic_wy_grads, wy_chunk
 from deltajax.kernels.gpu.common import split_bf16_in_xla
-from testing_utils import covering, fresh_key, relative_error, rule_inputs
+from testing_utils import H100, covering, fresh_key, relative_error, rule_inputs
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
@@ -164,11 +163,6 @@ def test_other_head_dims_refuse_what_the_kernel_does_not_take():
                               interpret=True, t_pair=t_pair)
     with pytest.raises(ValueError, match="warpgroups must be 1 .* or 2 .*, got 4"):
         mosaic_wy_grads.grads(*res, scale=SCALE, segmented=False, interpret=True, warpgroups=4)
-
-
-H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
-                    abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                                   platform="gpu"))
 
 
 LOWERED_CASES = [(False, D, D), (True, D, D), (False, 64, 64), (False, 64, 128), (False, 128, 64), (True, 64, 128),

@@ -15,11 +15,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from deltajax.kernels.gpu import mosaic_wy, wy_chunk
 from deltajax.kernels.gpu.common import split_bf16_in_xla
-from testing_utils import fresh_key, relative_error, rule_inputs
+from testing_utils import H100, fresh_key, relative_error, rule_inputs
 
 warnings.filterwarnings("ignore", message=".*triton.*", category=DeprecationWarning)
 
@@ -108,9 +107,6 @@ def test_configs_match_the_triton_pass_in_interpreter(config):
     _compare(_inputs("packed"), cfg, interpret=True)
 
 
-H100 = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,),
-                    abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                                   platform="gpu"))
 LOWERED_CONFIGS = {"default": _COMPILED, "shared_head": dataclasses.replace(_COMPILED, warpgroups=2),
                    "block_v32": dataclasses.replace(_COMPILED, block_v=32),
                    "p_smem": dataclasses.replace(_COMPILED, p_operand="smem")}

@@ -74,7 +74,10 @@ if want ptx_check; then
   done
 fi
 if want mosaic_tests; then
-  timeout ${MOSAIC_TEST_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider $PARALLEL -rf \
+  # Each process allocating only what it uses (the pooled allocator of several processes runs out of GPU memory);
+  # never time on it (docs/mosaic.md, "A timing trap").
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout ${MOSAIC_TEST_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider \
+    $PARALLEL -rf \
     tests/kernels/test_mosaic_{wy,wy_grads,wy_reverse,kda,kda_grads,vectors}.py -k gpu 2>&1 \
     | tee "$OUT/pytest_mosaic.log" | grep -E "FAIL|Error|passed|failed"
 fi

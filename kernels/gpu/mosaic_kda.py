@@ -170,7 +170,7 @@ def _chunk_step(tiles, x, s, out_tiles, *, scale, split_output, block_v, ready=_
     done("gamma")
     # The previous chunk's output (one tile per CTA), or this chunk's u copies (one pair), have left the tile.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    o_smem[...] = mc.wgmma_layout((scale * o).astype(o_smem.dtype))
+    mc.store_rounded(scale * o, o_smem)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_tile)
     return s_next
@@ -413,10 +413,10 @@ def reverse_pass(operands, beta, t, p, do, dfinal, *, scale, block_v=64, interpr
     swizzle = _swizzle(block_v)
     scratch = (mc.tiled((K, block_v), swizzle), mc.tiled((2, CHUNK, block_v), swizzle),
                mc.tiled((2, CHUNK, block_v), swizzle))
-    kernel = plgpu.kernel(
+    kernel = mc.kernel(
         functools.partial(_reverse_body, nt=nt, num_heads=Hv, scale=float(scale), block_v=block_v),
         out_type=out_type, scratch_types=scratch, grid=(V // block_v, B * Hv), grid_names=("v_block", "head"),
-        compiler_params=plgpu.CompilerParams(), interpret=plgpu.InterpretGPUParams() if interpret else False,
+        compiler_params=plgpu.CompilerParams(), interpret=interpret,
         kernel_name="kda_reverse_mosaic")
     dh0, dends, dx_hi, dx_lo = kernel(*tiles, do, *as_pair(t), *as_pair(p), heads_major(beta.astype(F32)),
                                       gamma.reshape(B * Hv, nt * K), dfinal)
@@ -454,15 +454,15 @@ def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", blo
     body = dict(n_operands=len(tiles), with_states=with_states, nt=nt, num_heads=Hv, scale=float(scale),
                 split_output=split_output, block_v=block_v)
     common = dict(out_type=out_type, scratch_types=_scratch(K, block_v, shared_head, v.dtype),
-                  interpret=plgpu.InterpretGPUParams() if interpret else False)
+                  interpret=interpret)
     if shared_head:
-        kernel = plgpu.kernel(
+        kernel = mc.kernel(
             functools.partial(_body_shared_head, **body), grid=(B * Hv,), grid_names=("head",), num_threads=3,
             thread_name="wg", kernel_name="kda_forward_mosaic_shared_head",
             # No reduction in the kernel crosses warps: the 2 KiB Mosaic GPU reserves for them would not fit.
             compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0), **common)
     else:
-        kernel = plgpu.kernel(
+        kernel = mc.kernel(
             functools.partial(_body, **body), grid=(V // block_v, B * Hv), grid_names=("v_block", "head"),
             kernel_name="kda_forward_mosaic", compiler_params=plgpu.CompilerParams(), **common)
     final, o, *saved = kernel(*tiles, v, *as_pair(t), *as_pair(p), heads_major(beta.astype(F32)),

@@ -202,7 +202,7 @@ def _warpgroup(w, r, chan, gmem, out, *, scale, segmented, concurrent):
     # soon as it is read (so that at most one accumulator and three running C x 64 tiles are live: keeping every
     # term to the end spilled 3.5 KB per thread); dv, dbeta's value part (V half w) and dP's diagonal first.
     dx = pair(r.x_s.at[w])
-    out.dv[...] = mc.wgmma_layout((rows(beta, HALF) * dx).astype(out.dv.dtype))
+    mc.store_rounded(rows(beta, HALF) * dx, out.dv)
     dbeta = jnp.sum(dx * load(gmem.v), axis=1)
     dp_self = scale * sum(jnp.sum(load(r.do_s.at[j]) * pair(r.u_s.at[j]), axis=1) for j in range(2))
     s0_t = [transposed(r.s0_s.at[w, j]) for j in range(2)]
@@ -269,14 +269,14 @@ def _warpgroup(w, r, chan, gmem, out, *, scale, segmented, concurrent):
     split_terms = lambda a_pair, b_pair: [(a_pair[0], b_pair[0]), (a_pair[0], b_pair[1]), (a_pair[1], b_pair[0])]
     p_pair, r_pair = (r.p_s.at[0], r.p_s.at[1]), (r.r_s.at[0], r.r_s.at[1])
     left_p = mc.wgmma_layout(to_end() * accumulate(split_terms(p_pair, k_from)))
-    out.dq[...] = mc.wgmma_layout((dq + left_p).astype(out.dq.dtype))
+    mc.store_rounded(dq + left_p, out.dq)
     dg = mc.wgmma_layout(dg + q() * left_p)
     left_r = mc.wgmma_layout(to_end() * accumulate(split_terms(r_pair, k_from)))
     dk = mc.wgmma_layout(dk + left_r)
     dg = mc.wgmma_layout(dg + k() * left_r)
     p_t, r_t = tuple(map(transposed, p_pair)), tuple(map(transposed, r_pair))
     right = mc.wgmma_layout(from_end() * accumulate(split_terms(p_t, q_to) + split_terms(r_t, k_to)))
-    out.dk[...] = mc.wgmma_layout((dk + right).astype(out.dk.dtype))
+    mc.store_rounded(dk + right, out.dk)
     dg = mc.wgmma_layout(dg - k() * right)
 
     # dG's sum over t >= r, in tiles the pair terms have read, added to what d(log_decay)'s output holds.
@@ -341,13 +341,13 @@ def grads(q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, dends, do, 
     # Two warpgroups compiled; in the interpreter one runs both roles in turn (`mosaic_wy_grads.grads`: a thread
     # blocked in a barrier wait can starve the other of host threads on few CPU cores).
     threads = 1 if interpret else 2
-    kernel = plgpu.kernel(
+    kernel = mc.kernel(
         functools.partial(_body, scale=float(scale), num_heads=H, group=group, segmented=segmented, threads=threads),
         out_type=out_type, scratch_types=_scratch_types(), grid=(nt, B * H), grid_names=("chunk", "head"),
         num_threads=threads, thread_name="wg",
         # Every reduction is along the rows, within a warp: no SMEM for cross-warp ones.
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        interpret=interpret,
         kernel_name="kda_grads_mosaic")
     dq, dk, dv, dlog, dbeta = kernel(q, k, v, g.astype(F32), glo.astype(F32), r.astype(F32), do, *saved, starts,
                                      dends, token_vectors(beta, carry, tail, doc), channel_vectors(g, glo, carry))

@@ -311,7 +311,7 @@ def _forward_step(cfg, tiles, inputs, s, out_tiles, *, scale, segmented):
     if split_state:
         mc.store_split(s, s_hi, s_lo)
     else:
-        s_hi[...] = mc.wgmma_layout(mc.wgmma_layout(s).astype(BF16))
+        mc.store_bf16(s, s_hi)
     plgpu.commit_smem()  # the generic-proxy stores must be visible to the wgmmas (async proxy)
     if saved is not None:
         # bf16(S_0) is S_0's hi half in either state_dots mode. The copy has finished reading s_hi before the next
@@ -415,7 +415,7 @@ def _forward_step(cfg, tiles, inputs, s, out_tiles, *, scale, segmented):
 
     o_smem = tiles.o_smem
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's output has left o_smem
-    o_smem[...] = mc.wgmma_layout((scale * o).astype(o_smem.dtype))
+    mc.store_rounded(scale * o, o_smem)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_tile)
     return s_next
@@ -467,8 +467,7 @@ def _reverse_step(cfg, tiles, inputs, ds, out_tiles, *, scale, segmented):
     start_rows = mc.rows(from_start, BV)
 
     def decay_do():  # q^T's operand f (.) dO, formed while P^T dO runs
-        decayed_do[...] = mc.wgmma_layout(
-            (start_rows * plgpu.load(do, layout=plgpu.Layout.WGMMA).astype(F32)).astype(BF16))
+        mc.store_rounded(start_rows * plgpu.load(do, layout=plgpu.Layout.WGMMA).astype(F32), decayed_do)
 
     pdo, _ = _split_product(*p_parts, do, None, C, BV, separate, while_running=decay_do)
     mc.store_split(scale * pdo + mc.rows(to_end, BV) * kd, x_hi, x_lo)  # du
@@ -626,18 +625,17 @@ def _pass_kernel(cfg, step, kinds, out_type, dtype, *, reverse, nt, batch, num_h
     `dtype`: that of the forward's output tile."""
     body = dict(step=step, kinds=kinds, reverse=reverse, nt=nt, num_heads=num_heads, group=group, key_dim=key_dim,
                 cfg=cfg)
-    interpret = plgpu.InterpretGPUParams() if interpret else False
     batch_heads = batch * num_heads
     shared = cfg.warpgroups == 2
     lead = (2,) if shared else ()
     scratch = tuple(mc.tiled(lead + shape, _swizzle(cfg)) if tiled else plgpu.SMEM(lead + shape, dtype)
                     for _, shape, tiled in _tile_shapes(cfg, key_dim, not shared, reverse))
     if shared:
-        return plgpu.kernel(
+        return mc.kernel(
             functools.partial(_pass_body_shared_head, **body), out_type=out_type, scratch_types=scratch,
             grid=(batch_heads,), grid_names=("head",), num_threads=3, thread_name="wg",
             compiler_params=plgpu.CompilerParams(), interpret=interpret, kernel_name=f"{name}_shared_head")
-    return plgpu.kernel(
+    return mc.kernel(
         functools.partial(_pass_body, **body), out_type=out_type, scratch_types=scratch,
         grid=(value_dim // cfg.block_v, batch_heads), grid_names=("v_block", "head"),
         compiler_params=plgpu.CompilerParams(), interpret=interpret, kernel_name=name)

@@ -228,7 +228,7 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, first_key_block, o
         dx = pair(r.x_s.at[w])
 
         def store_dv():
-            out["dv"][...] = mc.wgmma_layout((rows(beta) * dx).astype(out["dv"].dtype))
+            mc.store_rounded(rows(beta) * dx, out["dv"])
         if first_key_block is None:
             store_dv()
         else:
@@ -306,7 +306,7 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, first_key_block, o
                                    * accumulate([(r.do_s.at[j], transposed(r.s0_s.at[j])) for j in range(n_halves)]))
         local = jnp.sum(dq_state * load(r.q_s), axis=1)
         dq = mc.wgmma_layout(dq_state + accumulate([(r.p_s.at[part], r.k_s) for part in range(2)]))
-        out["dq"][...] = mc.wgmma_layout(dq.astype(out["dq"].dtype))
+        mc.store_rounded(dq, out["dq"])
         # colsum(Z): rows of Z^T times ones, Z's pair in dP's tiles and the ones in dA_k's hi tile once warpgroup 1
         # has read dP and dA_k (a tile of its own would keep the SMEM at K = V = 64 over half an SM's).
         if concurrent:
@@ -336,7 +336,7 @@ def _warpgroup(w, r, v_tile, *, scale, segmented, concurrent, first_key_block, o
         if concurrent:
             plgpu.barrier_arrive(handoff.at[2])
         yield
-        out["dk"][...] = mc.wgmma_layout(dk.astype(out["dk"].dtype))
+        mc.store_rounded(dk, out["dk"])
     out["dbeta"][...] = dbeta
     out["dgate"][...] = dgate
     out["end"][...] = end
@@ -432,7 +432,7 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
     if warpgroups not in (1, 2):
         raise ValueError(f"grads: warpgroups must be 1 (both roles in turn) or 2 (side by side), got {warpgroups}")
     threads = 1 if interpret else warpgroups
-    kernel = plgpu.kernel(
+    kernel = mc.kernel(
         functools.partial(_grad_body, scale=scale, num_heads=H, group=group, segmented=segmented, threads=threads,
                           u_from_t=u_from_t, key_blocks=key_blocks, value_blocks=value_blocks),
         out_type=out_type, scratch_types=_scratch_types(u_from_t, key_block, value_block), grid=(nt * blocks, B * H),
@@ -440,7 +440,7 @@ def grads(q, k, v, beta, g, doc, carry, tail, starts, dends, do, u, dx, *, scale
         num_threads=threads, thread_name="wg",
         # Every reduction is along the rows, within a warp: no SMEM for cross-warp ones (which fills 227 KiB).
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        interpret=interpret,
         kernel_name="wy_grads_mosaic")
     dq, dk, dv, *shares = kernel(q, k, v, do, *u_inputs, *dx, starts, dends, vectors)
     if summed:

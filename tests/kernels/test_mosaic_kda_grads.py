@@ -4,8 +4,8 @@ On CPU: the gradients in the Mosaic GPU interpreter against the fp32 scan (the b
 Triton gradient kernel on the same inputs (`_assert_close_to_the_triton_kernel`), on random, packed and adversarial
 inputs, with an initial state, T not a multiple of 64 and one or two value heads per key head; a call with a -20 gate
 takes the two Triton kernels with either knob (identical gradients); the refusals; the gradient lowered for an
-abstract H100. On a GPU: the compiled kernel against the scan, and against the Triton kernel on the adversarial
-families.
+abstract H100, also with the paired bf16 conversions. On a GPU: the compiled kernel against the scan (also with the
+paired conversions), and against the Triton kernel on the adversarial families.
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from deltajax.kernels.gpu import kda, mosaic_kda_grads
+from deltajax.kernels.gpu import kda, mosaic_common, mosaic_kda_grads
 from test_gpu_kda import ADVERSARIAL, BF16_OUT_TOL, ON_GPU, _adversarial, _bf16_grad_tol, _check, _grads, _inputs
 from test_mosaic_kda import (_abstract_call, _abstract_config, _bf16_case, _call_with, _config, _fn, _gradient_of,
                              _lowered_for_cuda)
@@ -125,6 +125,20 @@ def test_gradient_lowers_for_cuda():
     assert "kda_grads_v" in text and "kda_grads_pairs" in text and "kda_grads_fused" not in text
 
 
+def test_paired_conversions_lower_for_cuda(monkeypatch):
+    """With `mosaic_common.PAIRED_CONVERSIONS` (fp32 -> bf16 two elements an instruction, compiled only): the call
+    and its gradient with both Mosaic passes and the Mosaic gradient kernel lowered for an abstract H100, the paired
+    conversion in each."""
+    monkeypatch.setattr(mosaic_common, "PAIRED_CONVERSIONS", True)
+    jax.clear_caches()  # the flag is read while tracing
+    args = _abstract_call()
+    cfg = _abstract_config(args, pass_backend="mosaic", reverse_backend="mosaic", grads_backend="mosaic")
+    forward = _lowered_for_cuda(_call_with(lambda: cfg), args)
+    gradient = _lowered_for_cuda(_gradient_of(_call_with(lambda: cfg)), args)
+    assert forward.count("custom_call @mosaic_gpu_v2") == 1 and "cvt.rn.bf16x2.f32" in forward
+    assert gradient.count("custom_call @mosaic_gpu_v2") == 3 and "cvt.rn.bf16x2.f32" in gradient
+
+
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 
 
@@ -150,3 +164,14 @@ def test_gpu_adversarial(family):
     _, mosaic_grads = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(mosaic), label=f"gpu-mosaic-grads-{family}")
     _assert_close_to_the_triton_kernel(mosaic_grads,
                                        _grads(_fn(dataclasses.replace(mosaic, grads_backend="triton")), x))
+
+
+@gpu_only
+def test_gpu_paired_conversions_match_scan(monkeypatch):
+    """Compiled with `mosaic_common.PAIRED_CONVERSIONS`, both Mosaic passes and the Mosaic gradient kernel: outputs,
+    final state and every gradient against the fp32 scan at the bf16 bounds (packed documents, an initial state)."""
+    monkeypatch.setattr(mosaic_common, "PAIRED_CONVERSIONS", True)
+    jax.clear_caches()
+    x = _bf16_case(_inputs(T=1000, H=2, Hv=4, K=D, V=D, packed=True, init=True))
+    cfg = _config(x, pass_backend="mosaic", reverse_backend="mosaic", grads_backend="mosaic")
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(cfg), label="gpu-mosaic-paired")

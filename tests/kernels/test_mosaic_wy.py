@@ -533,6 +533,7 @@ def test_paired_splits_lower_for_cuda(monkeypatch):
     with one CTA per head and its gradient lower for an abstract H100 (one Mosaic GPU call forward, three in the
     gradient), the paired conversion in both."""
     monkeypatch.setattr(mosaic_common, "PAIRED_CONVERSIONS", True)
+    jax.clear_caches()
     forward, gradient = _lowered_call_and_gradient(GPU_CONFIGS["shared_head"], H=2, Hv=2)
     assert forward.count("custom_call @mosaic_gpu_v2") == 1 and "cvt.rn.bf16x2.f32" in forward
     assert gradient.count("custom_call @mosaic_gpu_v2") == 3 and "cvt.rn.bf16x2.f32" in gradient
@@ -710,6 +711,7 @@ def test_gpu_paired_conversions_match_scan(monkeypatch, config):
     """Compiled with `mosaic_common.PAIRED_CONVERSIONS` (every bf16 split two elements per conversion): the
     output, the final state and every gradient against the fp32 scan, packed documents, an initial state."""
     monkeypatch.setattr(mosaic_common, "PAIRED_CONVERSIONS", True)
+    jax.clear_caches()  # the flag is read while tracing: no trace made without it may be reused
     x = _bf16_inputs(fresh_key(), B=2, T=1000, H=4, beta_max=2.0, packed=True, with_initial_state=True)
     cfg = dataclasses.replace(GPU_CONFIGS[config], mosaic_forward=True, mosaic_reverse=True)
     _check(x, config=cfg)

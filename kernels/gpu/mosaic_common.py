@@ -158,11 +158,6 @@ def store_split(x, hi_ref, lo_ref):
     lo_ref[...] = wgmma_layout(lo)
 
 
-def store_bf16(x, ref):
-    """x (fp32 registers) rounded to bf16 into an SMEM operand tile."""
-    store_rounded(x, ref)
-
-
 def store_rounded(x, ref):
     """x (fp32 registers) rounded to `ref`'s dtype (round to nearest even) into an SMEM tile: to bf16 two elements
     an instruction in a compiled `kernel` (see `split`), else (and to fp16) one by one."""

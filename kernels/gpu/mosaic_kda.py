@@ -120,7 +120,7 @@ def _chunk_step(tiles, x, s, out_tiles, *, scale, split_output, block_v, ready=_
     if split_output:
         mc.store_split(s, s_hi, s_lo)
     else:
-        mc.store_bf16(s, s_hi)
+        mc.store_rounded(s, s_hi)
     plgpu.commit_smem()  # generic-proxy stores, visible to the wgmmas (async proxy)
     if saved:
         # bf16(S) is what (A.K) S reads. The copy has read s_hi before the next chunk writes it: the wait before
@@ -322,7 +322,7 @@ def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v):
     dend_tile, dx_hi_tile, dx_lo_tile = out_tiles
     transposed = lambda ref: ref.transpose((1, 0))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's copies have read dS's and dx's tiles
-    mc.store_bf16(ds, s_hi)
+    mc.store_rounded(ds, s_hi)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(s_hi, dend_tile)
 

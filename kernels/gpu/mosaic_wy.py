@@ -311,7 +311,7 @@ def _forward_step(cfg, tiles, inputs, s, out_tiles, *, scale, segmented):
     if split_state:
         mc.store_split(s, s_hi, s_lo)
     else:
-        mc.store_bf16(s, s_hi)
+        mc.store_rounded(s, s_hi)
     plgpu.commit_smem()  # the generic-proxy stores must be visible to the wgmmas (async proxy)
     if saved is not None:
         # bf16(S_0) is S_0's hi half in either state_dots mode. The copy has finished reading s_hi before the next
@@ -444,7 +444,7 @@ def _reverse_step(cfg, tiles, inputs, ds, out_tiles, *, scale, segmented):
     if split_state:
         mc.store_split(ds, s_hi, s_lo)
     else:
-        mc.store_bf16(ds, s_hi)
+        mc.store_rounded(ds, s_hi)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(s_hi, dend_tile)  # bf16(dS) is its hi half in either state_dots mode
 

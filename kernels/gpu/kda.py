@@ -1739,8 +1739,11 @@ def _gates_kernel(x_ref, q_ref, k_ref, carry_ref, tail_ref, hi_ref, lo_ref, *out
     """`Config.cumsum="with_operands"`: `_cumulative_kernel`'s rows of one chunk and, from the same hi and lo, the
     forward's stored operands (`_operands_kernel`'s values: `_boundary`'s operations on the same numbers).
 
-    A_t needs only G_t and is written on the way down the rows. E_s = tail_s exp(G_C - G_s) needs the chunk's last
-    gate, so a second loop runs the same additions again (the same hi and lo, bit for bit) and writes E (.) K."""
+    A_t needs G_t, E_s = tail_s exp(G_C - G_s) also the chunk's last gate. A first loop runs the additions alone
+    (x's rows only) for G_C; the second runs the same additions again (the same hi and lo, bit for bit) and writes
+    G, A (.) Q, A (.) K and E (.) K row by row, reading each row of q and k once. (Written the other way round, the
+    E loop after the A loop, k and x were read twice with the whole A loop in between: on the H100 every program of
+    an 8x2048x16x128 call is resident at once, so those second reads missed L2, ~200 MB more from DRAM per call.)"""
     C, K = x_ref.shape
     *tiles, gamma_ref = out_refs
     qa_refs, ak_refs, ke_refs = _by_operand(tiles, parts)
@@ -1753,27 +1756,23 @@ def _gates_kernel(x_ref, q_ref, k_ref, carry_ref, tail_ref, hi_ref, lo_ref, *out
         b = total - hi
         return total, lo + ((hi - (total - b)) + (x - b))
 
+    zero = jnp.zeros((1, K), F32)
+    hi_end, lo_end = lax.fori_loop(0, C, lambda r, sums: add(r, *sums), (zero, zero))
+    gamma_ref[...] = (carry_ref[pl.ds(C - 1, 1)][:, None] * jnp.exp(hi_end + lo_end)).reshape(K)
+
     def down(r, sums):
         hi, lo = add(r, *sums)
         row = pl.ds(r, 1)
         hi_ref[row, :], lo_ref[row, :] = hi, lo
         a = carry_ref[row][:, None] * jnp.exp(hi + lo)
+        k = k_ref[row, :].astype(F32)
         store(qa_refs, row, a * q_ref[row, :].astype(F32))
-        store(ak_refs, row, a * k_ref[row, :].astype(F32))
-        return hi, lo
-
-    zero = jnp.zeros((1, K), F32)
-    hi_end, lo_end = lax.fori_loop(0, C, down, (zero, zero))
-    gamma_ref[...] = (carry_ref[pl.ds(C - 1, 1)][:, None] * jnp.exp(hi_end + lo_end)).reshape(K)
-
-    def again(r, sums):
-        hi, lo = add(r, *sums)
-        row = pl.ds(r, 1)
+        store(ak_refs, row, a * k)
         e = tail_ref[row][:, None] * jnp.exp((hi_end - hi) + (lo_end - lo))
-        store(ke_refs, row, e * k_ref[row, :].astype(F32))
+        store(ke_refs, row, e * k)
         return hi, lo
 
-    lax.fori_loop(0, C, again, (zero, zero))
+    lax.fori_loop(0, C, down, (zero, zero))
 
 
 def _gates_and_operands(cfg, q, k, log_decay, carry, tail, phase="forward"):
@@ -1974,7 +1973,7 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
     head in the forward pass); the Triton kernels otherwise. The config of the dispatch's "mosaic" implementation
     for KDA."""
     cfg = default_config(q, v, scale=scale, chunk_size=chunk_size, segmented=segmented, interpret=interpret)
-    if q.shape[3] not in mosaic_kda.DISPATCH_KEY_DIMS:  # K = 256: opt-in, not timed yet
+    if q.shape[3] not in mosaic_kda.DISPATCH_KEY_DIMS:  # K = 256: opt-in, measured slower (mosaic_kda.py)
         return cfg
     try:
         mosaic_kda.check_supported(key_dim=q.shape[3], value_dim=v.shape[3], chunk_size=chunk_size, dtype=q.dtype,

@@ -47,9 +47,11 @@ KEY_DIMS = (64, 128, 256)
 VALUE_DIMS = (64, 128, 256)
 BLOCK_VS = (32, 64)
 # At K = 256 one stage's five operand tiles take 160 KiB, so the state blocks are 16 columns wide: lowered for an
-# H100 at 32 the forward pass asked 256,008 bytes of SMEM (232,448 available), at 16 both passes fit. Not compiled
-# or timed on a GPU yet, so the dispatch's "mosaic" runs KDA's Mosaic passes at `DISPATCH_KEY_DIMS` only (K = 256
-# is opt-in: `kda.Config.pass_backend` / `reverse_backend` "mosaic" with `mosaic_block_v=WIDE_KEY_BLOCK_V`).
+# H100 at 32 the forward pass asked 256,008 bytes of SMEM (232,448 available), at 16 both passes fit. Compiled and
+# tested on an H100 (2026-12-06), but slower there than the Triton passes (8x2048x16x256: forward 10.05 against
+# 6.34 ms, forward+backward 22.6 against 15.3; docs/benchmarks.md), so the dispatch's "mosaic" runs KDA's Mosaic
+# passes at `DISPATCH_KEY_DIMS` only (K = 256 is opt-in: `kda.Config.pass_backend` / `reverse_backend` "mosaic"
+# with `mosaic_block_v=WIDE_KEY_BLOCK_V`).
 WIDE_KEY_DIM, WIDE_KEY_BLOCK_V = 256, 16
 DISPATCH_KEY_DIMS = (64, 128)
 STAGES = 1  # chunks in flight in the TMA pipeline: two stages do not fit SMEM (module docstring)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install the repo, run the GPU tests of the Pallas kernels, time them.
 #   MODE=all (default) or a comma list of sweep, precision, tests, kda_tests, bench, kda_bench, memory,
-#   ptx_check, mosaic_tests;  logs go to $OUT (or ./gpu_logs).
+#   ptx_check, mosaic_tests, bytes;  logs go to $OUT (or ./gpu_logs).
 #   The Hopper kernels (impl="mosaic"): MODE=bench,kda_bench,ptx_check BENCH_IMPLS=mosaic KDA_BENCH_IMPLS=mosaic
 #   BENCH_SIZES=8x2048x16x128,1x32768x16x128 BENCH_EXTRA=--bandwidth_gbs=4300 (~4 min on an H200), then
 #   MODE=mosaic_tests (~5 min with 8 TEST_WORKERS); together they come near one device call's 10-minute limit.
@@ -71,6 +71,20 @@ if want ptx_check; then
     fi
     cat "$dump"/*.ptxas 2>/dev/null | grep -E "C751|spill|Used" | sort | uniq -c | tee -a "$OUT/ptx_check.log"
     rm -rf "$dump"
+  done
+fi
+# Every kernel's device time and DRAM bytes in a warm training step of each rule at BYTES_SIZE (Nsight Compute; the
+# tables of docs/benchmarks.md, "Where a training step's bytes go on the H100"). Kernels of the first call and the
+# inputs' own fusions are in the CSV too: read the last call's rows. Not part of MODE=all (it needs Nsight Compute).
+if [[ ",$MODE," == *",bytes,"* ]]; then
+  out=$(cd "$OUT" && pwd)
+  for rule in gated_deltanet kda; do
+    if [[ $rule == kda ]]; then profile="profile_kda_gpu.py --variant=mosaic_shared_head_reverse"
+    else profile="profile_mosaic_gpu.py --backward"; fi
+    (cd experiments && timeout ${BYTES_TIMEOUT:-250} ncu --clock-control none --csv --metrics \
+      gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum python3 $profile --calls=2 \
+      --size=${BYTES_SIZE:-8x2048x16x128} >"$out/bytes_$rule.csv" 2>"$out/bytes_$rule.err")
+    echo "$rule: $(grep -c dram__bytes_read "$out/bytes_$rule.csv") kernels profiled, $out/bytes_$rule.csv"
   done
 fi
 if want mosaic_tests; then

@@ -1689,9 +1689,18 @@ def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _add_row(x_ref, r, hi, lo):
+    """Row r of x_ref added into the running sums (hi, lo) by TwoSum: s = hi + x, b = s - hi, and the addition's
+    exact rounding error (hi - (s - b)) + (x - b) added into lo."""
+    x = x_ref[pl.ds(r, 1), :]
+    total = hi + x
+    b = total - hi
+    return total, lo + ((hi - (total - b)) + (x - b))
+
+
 def _cumulative_kernel(x_ref, hi_ref, lo_ref):
     """G_t = sum_{r <= t} x_r down the C rows of one chunk, as hi + lo: hi the fp32 running sum, lo the running sum
-    of each addition's exact rounding error (TwoSum: s = hi + x, b = s - hi, error (hi - (s - b)) + (x - b)).
+    of each addition's exact rounding error (`_add_row`).
 
     Invariant: after row r, hi + lo = G_r up to lo's own roundings, which are ~2^-24 of lo (itself ~2^-24 of
     hi): the split `CumulativeLogDecay` is made for (differences G_t - G_s taken part by part stay exact to fp32
@@ -1700,14 +1709,10 @@ def _cumulative_kernel(x_ref, hi_ref, lo_ref):
     zero = jnp.zeros((1, x_ref.shape[1]), F32)
 
     def row(r, sums):
-        hi, lo = sums
-        x = x_ref[pl.ds(r, 1), :]
-        total = hi + x
-        b = total - hi
-        lo = lo + ((hi - (total - b)) + (x - b))
-        hi_ref[pl.ds(r, 1), :] = total
+        hi, lo = _add_row(x_ref, r, *sums)
+        hi_ref[pl.ds(r, 1), :] = hi
         lo_ref[pl.ds(r, 1), :] = lo
-        return total, lo
+        return hi, lo
 
     lax.fori_loop(0, x_ref.shape[0], row, (zero, zero))
 
@@ -1742,26 +1747,18 @@ def _gates_kernel(x_ref, q_ref, k_ref, carry_ref, tail_ref, hi_ref, lo_ref, *out
     A_t needs G_t, E_s = tail_s exp(G_C - G_s) also the chunk's last gate. A first loop runs the additions alone
     (x's rows only) for G_C; the second runs the same additions again (the same hi and lo, bit for bit) and writes
     G, A (.) Q, A (.) K and E (.) K row by row, reading each row of q and k once. (Written the other way round, the
-    E loop after the A loop, k and x were read twice with the whole A loop in between: on the H100 every program of
-    an 8x2048x16x128 call is resident at once, so those second reads missed L2, ~200 MB more from DRAM per call.)"""
+    E loop after the A loop, k was read twice too. On the H100 every program of an 8x2048x16x128 call is resident at
+    once, so second reads miss L2: x's still do, 135 MB from DRAM per call; k's no longer, 67 MB; docs/kernels.md.)"""
     C, K = x_ref.shape
     *tiles, gamma_ref = out_refs
     qa_refs, ak_refs, ke_refs = _by_operand(tiles, parts)
     store = lambda refs, row, x: _store_parts(cfg, refs, (row, slice(None)), x)
-
-    def add(r, hi, lo):
-        """TwoSum of row r into the running (hi, lo), as `_cumulative_kernel`."""
-        x = x_ref[pl.ds(r, 1), :]
-        total = hi + x
-        b = total - hi
-        return total, lo + ((hi - (total - b)) + (x - b))
-
     zero = jnp.zeros((1, K), F32)
-    hi_end, lo_end = lax.fori_loop(0, C, lambda r, sums: add(r, *sums), (zero, zero))
+    hi_end, lo_end = lax.fori_loop(0, C, lambda r, sums: _add_row(x_ref, r, *sums), (zero, zero))
     gamma_ref[...] = (carry_ref[pl.ds(C - 1, 1)][:, None] * jnp.exp(hi_end + lo_end)).reshape(K)
 
     def down(r, sums):
-        hi, lo = add(r, *sums)
+        hi, lo = _add_row(x_ref, r, *sums)
         row = pl.ds(r, 1)
         hi_ref[row, :], lo_ref[row, :] = hi, lo
         a = carry_ref[row][:, None] * jnp.exp(hi + lo)

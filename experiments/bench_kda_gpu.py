@@ -143,7 +143,10 @@ VARIANTS = {
     "fused_warps2": dict(grad_warps=2),
     "fused_bk128_warps8": dict(pair_block_k=128, grad_warps=8),
     "fused_bv16": dict(grad_block_v=16),
+    "fused_bv32": dict(grad_block_v=32),
     "fused_bv64": dict(grad_block_v=64),
+    "fused_bv128": dict(grad_block_v=128),
+    "two_grad_kernels_bv32": dict(fused_pair_grads=False, grad_block_v=32),
     "fused_bk16_warps2": dict(pair_block_k=16, grad_warps=2),
     # the pair kernel's channel blocks (with `fused_pair_grads` also the fused kernel's)
     "pair_bk16": dict(pair_block_k=16),

@@ -1228,7 +1228,7 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
     r_ref, s0_ref, dend_ref, do_ref, *out_refs = refs[9 + n_saved:]
     fused = _fuses_pair_grads(cfg)
     if fused:
-        dv_ref, dq_ref, dk_ref, dlog_ref, dbeta_ref = out_refs
+        dv_ref = out_refs[0]  # the rest are `_fused_epilogue`'s
     else:
         dv_ref, dq_ref, dk_ref, dg_ref, de_ref, dbeta_ref, dp_ref, dm_ref, dpt_ref, dmt_ref = out_refs
     C, mode = cfg.chunk_size, cfg.dots
@@ -1303,6 +1303,11 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
     squares = (zeros(C, C),) if shared_squares else (zeros(C, C), zeros(C, C))
     acc = (zeros(C, K), zeros(C, K), zeros(C, K), squares, zeros(C), zeros(K))
     dqa, dka, dke, squares, dbeta, dgamma = lax.fori_loop(0, V // BV, v_block, acc)
+    if fused:
+        bound_after_loop = boundary if src else (lambda: bound)  # with stored operands it is formed only now
+        _fused_epilogue(cfg, geo, q_ref, k_ref, g_ref, glo_ref, beta, doc_ref, r_ref, out_refs[1:], bound_after_loop,
+                        dqa, dka, dke, squares, dbeta, dgamma, role)
+        return
     if src:
         bound = boundary()
     a, e = bound.a, bound.e
@@ -1317,18 +1322,6 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
         refs[0][...], refs[1][...] = x, x.T  # the pair kernel loads rows of dP and dM as columns of the transposes
 
     gamma_term = jnp.where(geo.rows == C - 1, (bound.gamma * dgamma)[None, :], 0.0)
-    if fused:
-        dp, dm = masked_dp(squares[0]), masked_dm(squares[1])
-        r_term = jnp.sum(dm * r_ref[...], axis=1)
-        dbeta_ref[...] = dbeta + (jnp.where(role == 0, r_term, 0.0) if split_k else r_term)
-        to_end, from_end = _end_reference_split(g_ref, glo_ref, slice(None))
-        dq, dk, dg = _one_reference_pair_terms(
-            cfg, q, k, to_end, from_end, beta, dp, dm, dq_in=a * dqa, dk_in=e * dke + a * dka,
-            dg_in=a * (q * dqa + k * dka) + gamma_term)
-        dq_ref[...] = dq.astype(dq_ref.dtype)
-        dk_ref[...] = dk.astype(dk_ref.dtype)
-        _write_log_decay_grad(dlog_ref, [dg], [k * dke * e])
-        return
     if split_k:
         square = jnp.where(role == 0, masked_dp(squares[0]), masked_dm(squares[0]))
         pl.when(role == 0)(lambda: store((dp_ref, dpt_ref), square))
@@ -1346,6 +1339,42 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
     # C) would cancel in the reverse cumsum and leave O(eps x) where d(log_decay) ~ exp(-20).
     dg_ref[...] = a * (q * dqa + k * dka) + gamma_term
     de_ref[...] = k * dke * e
+
+
+def _fused_epilogue(cfg, geo, q_ref, k_ref, g_ref, glo_ref, beta, doc_ref, r_ref, out_refs, boundary, dqa, dka, dke,
+                    squares, dbeta, dgamma, role):
+    """The fused kernel's end (`_grad_v_kernel`): the boundary terms, then the pair terms, each C x BK value formed
+    as late and dropped as early as the sums allow (the V contractions' three accumulators first, folded into dq's,
+    dk's and dG's running sums and dE), so that fewer tiles are live at once. The same operations in the same order
+    of summation as the two-kernel path's (`_one_reference_pair_terms`). `out_refs`: dq, dk, d(log_decay), dbeta.
+    (The same sums in one expression, all terms formed first, spilled more: docs/kernels.md, "KDA: the fused gradient
+    kernel's end reordered".)"""
+    dq_ref, dk_ref, dlog_ref, dbeta_ref = out_refs
+    C = cfg.chunk_size
+    k = k_ref[...].astype(F32)
+    bound = boundary()
+    a, e = bound.a, bound.e
+    de = k * dke * e
+    dk_in = e * dke + a * dka
+    q = q_ref[...].astype(F32)
+    dqa = cfg.scale * dqa
+    gamma_term = jnp.where(geo.rows == C - 1, (bound.gamma * dgamma)[None, :], 0.0)
+    dg_in = a * (q * dqa + k * dka) + gamma_term
+    dq_in = a * dqa
+    incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
+    dm = jnp.where(strict, squares[1], 0.0)
+    r_term = jnp.sum(dm * r_ref[...], axis=1)  # through R's factor diag(beta)
+    dbeta_ref[...] = dbeta + (r_term if role is None else jnp.where(role == 0, r_term, 0.0))
+    dp = jnp.where(incl, cfg.scale * squares[0], 0.0)
+    to_end, from_end = _end_reference_split(g_ref, glo_ref, slice(None))
+    dg = _one_reference_pair_terms(
+        cfg, q, k, to_end, from_end, beta, dp, dm, dq_in=dq_in, dk_in=dk_in, dg_in=dg_in,
+        store_dq=lambda x: _store(dq_ref, x), store_dk=lambda x: _store(dk_ref, x))
+    _write_log_decay_grad(dlog_ref, [dg], [de])
+
+
+def _store(ref, x):
+    ref[...] = x.astype(ref.dtype)
 
 
 def _fp32(x):
@@ -1435,10 +1464,13 @@ def _write_log_decay_grad(dlog_ref, dgs, des):
         earlier = earlier + column_sum(de)
 
 
-def _one_reference_pair_terms(cfg, q, k, to_end, from_end, beta, dp, dm, *, dq_in, dk_in, dg_in):
-    """(dq, dk, dG) of one chunk of bounded span (SPAN_LIMIT) and a block of channels, fp32: the V contractions'
-    partials plus the pair terms, the products of the sub-chunk scheme's blocks i > j over the whole chunk, split
-    at the last token's gate (`to_end`, `from_end`: `_end_reference_split`). dP, dM as the V kernel masks them."""
+def _one_reference_pair_terms(cfg, q, k, to_end, from_end, beta, dp, dm, *, dq_in, dk_in, dg_in, store_dq, store_dk):
+    """dq, dk (given to `store_dq`, `store_dk`) and dG (returned) of one chunk of bounded span (SPAN_LIMIT) and a
+    block of channels, fp32: the V contractions' partials plus the pair terms, the products of the sub-chunk scheme's
+    blocks i > j over the whole chunk, split at the last token's gate (`to_end`, `from_end`:
+    `_end_reference_split`). dP, dM as the V kernel masks them. dq is complete after the first product and leaves
+    then, dk after the last; dG takes each term as it is formed (fewer C x BK tiles live at once: the fused kernel
+    spills at 255 registers)."""
     C, mode = cfg.chunk_size, cfg.dots
     diagonal = _iota(C, C, 0) == _iota(C, C, 1)
     dp_self = jnp.sum(jnp.where(diagonal, dp, 0.0), axis=1)[:, None]
@@ -1446,10 +1478,14 @@ def _one_reference_pair_terms(cfg, q, k, to_end, from_end, beta, dp, dm, *, dq_i
     dr = beta[:, None] * dm
     k_from = k * from_end
     left_p = to_end * _dot(dp, k_from, mode=mode)
+    store_dq(dq_in + left_p + dp_self * k)
+    dg = dg_in + q * left_p
     left_r = to_end * _dot(dr, k_from, mode=mode)
+    dk = dk_in + left_r + dp_self * q
+    dg = dg + k * left_r
     right = from_end * (_dot(dp, q * to_end, ta=True, mode=mode) + _dot(dr, k * to_end, ta=True, mode=mode))
-    return (dq_in + left_p + dp_self * k, dk_in + left_r + dp_self * q + right,
-            dg_in + q * left_p + k * left_r - k * right)
+    store_dk(dk + right)
+    return dg - k * right
 
 
 def _pair_grads_one_reference(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dpt_ref, dmt_ref, dq_in_ref,
@@ -1458,10 +1494,9 @@ def _pair_grads_one_reference(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm
     del dpt_ref, dmt_ref
     q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
     to_end, from_end = _end_reference_split(g_ref, glo_ref, slice(None))
-    dq, dk, dg = _one_reference_pair_terms(cfg, q, k, to_end, from_end, beta_ref[...], dp_ref[...], dm_ref[...],
-                                           dq_in=dq_in_ref[...], dk_in=dk_in_ref[...], dg_in=dg_in_ref[...])
-    dq_ref[...] = dq.astype(dq_ref.dtype)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dg = _one_reference_pair_terms(cfg, q, k, to_end, from_end, beta_ref[...], dp_ref[...], dm_ref[...],
+                                   dq_in=dq_in_ref[...], dk_in=dk_in_ref[...], dg_in=dg_in_ref[...],
+                                   store_dq=lambda x: _store(dq_ref, x), store_dk=lambda x: _store(dk_ref, x))
     _write_log_decay_grad(dlog_ref, [dg], [de_ref[...]])
 
 
@@ -1869,7 +1904,13 @@ BLOCK_V = 64  # the widest V block of the sequential passes (`common.sequential_
 # operands 16 is faster where it buys programs: 1x32768x16x128 bf16 passes 4.64-4.71 -> 3.93-4.17 ms, forward +
 # backward 38.5-38.6 -> 37.5-37.6 ms; at 2x8192x16x128 17.87 -> 17.78 ms (H100, 2026-11-25).
 KDA_NARROWEST_BLOCK_V = 16
-GRAD_BLOCK_V = 32
+# V block of the V gradient kernels' loop. H100, 8x2048x16x128 bf16, 2026-12-06 (docs/kernels.md, "KDA: the fused
+# gradient kernel's end reordered"): the fused kernel host-timed 2.419 / 2.673 ms at 32, 2.224 / 2.179 at 64, 2.566
+# at 16 (`bench_kda_gpu.py`), 1,973 -> 1,906 us from 32 to 64 under Nsight Compute: half the loop's steps, though it
+# spills more (66 M local-memory load sectors against 38 M). The two-kernel path (long spans) takes it too, compiled
+# and tested there (the adversarial families), not timed.
+GRAD_BLOCK_V = 64
+FP32_GRAD_BLOCK_V = 32  # fp32 inputs: the V kernel at 64 asked 256 KiB of shared memory (H100, 2026-12-06)
 # Programs per chunk of the V gradient kernel with u and dx from the passes (`Config.grad_k_splits`), at 4 warps.
 # H200, 8x2048x16x128 bf16, `bench_kda_gpu.py` host-timed in one call (2026-11-29 07:16-07:21): the kernel 1.755-1.762
 # ms as one program at 8 warps, 1.445 as two at 4 warps (2.126 at 8 warps; 1.907 / 1.778 with V blocks of 64).
@@ -1939,7 +1980,7 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   grad_k_dots=tolerant, output_dots=dots,
                   prepare="partner",
                   block_v=block_v,
-                  grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=2,
+                  grad_block_v=min(FP32_GRAD_BLOCK_V if fp32 else GRAD_BLOCK_V, V), warps=4, prepare_warps=2,
                   grad_warps=4 if grad_k_splits > 1 else 8, pair_warps=4, stages=2, interpret=interpret,
                   operands="stored", pass_stages=pass_stages, block_k=32, pair_block_k=32, reverse_warps=4,
                   cumsum="with_operands", span_limit=SPAN_LIMIT, state_storage="bf16" if bf16 else "fp32",

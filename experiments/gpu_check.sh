@@ -74,15 +74,19 @@ if want ptx_check; then
   done
 fi
 # Every kernel's device time and DRAM bytes in a warm training step of each rule at BYTES_SIZE (Nsight Compute; the
-# tables of docs/benchmarks.md, "Where a training step's bytes go on the H100"). Kernels of the first call and the
-# inputs' own fusions are in the CSV too: read the last call's rows. Not part of MODE=all (it needs Nsight Compute).
+# tables of docs/benchmarks.md, "Where a training step's bytes go on the H100"), with its registers per thread and
+# local-memory (spill) sectors (docs/kernels.md, "KDA: the fused gradient kernel's end reordered"). Kernels of the
+# first call and the inputs' own fusions are in the CSV too: read the last call's rows. Not part of MODE=all (it
+# needs Nsight Compute).
 if [[ ",$MODE," == *",bytes,"* ]]; then
   out=$(cd "$OUT" && pwd)
+  SPILL_METRICS=launch__registers_per_thread,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum
+  SPILL_METRICS+=,l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum
   for rule in gated_deltanet kda; do
     if [[ $rule == kda ]]; then profile="profile_kda_gpu.py --variant=mosaic_shared_head_reverse"
     else profile="profile_mosaic_gpu.py --backward"; fi
     (cd experiments && timeout ${BYTES_TIMEOUT:-250} ncu --clock-control none --csv --metrics \
-      gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum python3 $profile --calls=2 \
+      gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,$SPILL_METRICS python3 $profile --calls=2 \
       --size=${BYTES_SIZE:-8x2048x16x128} >"$out/bytes_$rule.csv" 2>"$out/bytes_$rule.err")
     echo "$rule: $(grep -c dram__bytes_read "$out/bytes_$rule.csv") kernels profiled, $out/bytes_$rule.csv"
   done

@@ -206,7 +206,7 @@ class Config:
     inverse: str  # how T is formed (INVERSE_METHODS)
     prepare: str  # how P, T and R are formed (PREPARE_METHODS)
     block_v: int  # BV of the sequential passes
-    grad_block_v: int  # BV of the loop inside the gradient kernel
+    grad_block_v: int  # BV of the loop inside the V gradient kernel (the two-kernel path)
     warps: int  # sequential passes
     prepare_warps: int  # prepare kernel
     grad_warps: int  # gradient kernel of the V contractions
@@ -234,6 +234,7 @@ class Config:
     # with a longer span, or without the call's span check (`span_limit` None, `call_span_check` False), run the two
     # kernels.
     fused_pair_grads: bool = False
+    fused_grad_block_v: int = 32  # BV of the same loop when the kernel also forms the pair terms (`fused_pair_grads`)
     grid_order: str = "chunks"  # launch order of the chunk-parallel kernels (`common.GRID_ORDERS`)
     cumsum: str = "xla"  # CUMSUM_METHODS
     partner_rows: str = "loaded"  # PARTNER_ROWS: how prepare's partner loop gets the partner tokens' rows
@@ -1233,7 +1234,7 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
         dv_ref, dq_ref, dk_ref, dg_ref, de_ref, dbeta_ref, dp_ref, dm_ref, dpt_ref, dmt_ref = out_refs
     C, mode = cfg.chunk_size, cfg.dots
     K, V = k_ref.shape[-1], v_ref.shape[-1]
-    BV = min(cfg.grad_block_v, V)
+    BV = min(cfg.fused_grad_block_v if fused else cfg.grad_block_v, V)
     geo = _geometry(C)
     beta = beta_ref[...]
     split_k = channel_blocks > 1
@@ -1595,6 +1596,10 @@ def _grads_v(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts
     G = cfg.value_heads // cfg.key_heads
     if S < 1 or V % S or V // S < 16 or (V // S) & (V // S - 1):
         raise ValueError(f"config.grad_v_splits must divide V = {V} into power-of-two blocks >= 16, got {S}")
+    for knob in ("grad_block_v", "fused_grad_block_v"):  # the V kernel's loop walks V / BV blocks of BV columns
+        bv = getattr(cfg, knob)
+        if bv < 16 or bv & (bv - 1):
+            raise ValueError(f"config.{knob} must be a power of two >= 16, got {bv}")
     fused = _fuses_pair_grads(cfg)
     KS = _grad_channel_blocks(cfg, K)
     knob = "pair_block_k (with fused_pair_grads)" if fused else "grad_k_splits"
@@ -1904,13 +1909,14 @@ BLOCK_V = 64  # the widest V block of the sequential passes (`common.sequential_
 # operands 16 is faster where it buys programs: 1x32768x16x128 bf16 passes 4.64-4.71 -> 3.93-4.17 ms, forward +
 # backward 38.5-38.6 -> 37.5-37.6 ms; at 2x8192x16x128 17.87 -> 17.78 ms (H100, 2026-11-25).
 KDA_NARROWEST_BLOCK_V = 16
-# V block of the V gradient kernels' loop. H100, 8x2048x16x128 bf16, 2026-12-06 (docs/kernels.md, "KDA: the fused
-# gradient kernel's end reordered"): the fused kernel host-timed 2.419 / 2.673 ms at 32, 2.224 / 2.179 at 64, 2.566
-# at 16 (`bench_kda_gpu.py`), 1,973 -> 1,906 us from 32 to 64 under Nsight Compute: half the loop's steps, though it
-# spills more (66 M local-memory load sectors against 38 M). The two-kernel path (long spans) takes it too, compiled
-# and tested there (the adversarial families), not timed.
-GRAD_BLOCK_V = 64
-FP32_GRAD_BLOCK_V = 32  # fp32 inputs: the V kernel at 64 asked 256 KiB of shared memory (H100, 2026-12-06)
+GRAD_BLOCK_V = 32  # the V kernel of the two-kernel path (calls with long spans): 64 measured slower (2026-11-29)
+# V block of the fused gradient kernel's loop (`Config.fused_grad_block_v`) for bfloat16 inputs. H100, 8x2048x16x128,
+# 2026-12-06 (docs/kernels.md, "KDA: the fused gradient kernel's end reordered"): host-timed 2.419 / 2.673 ms at 32,
+# 2.224 / 2.179 at 64, 2.566 at 16 (`bench_kda_gpu.py`), 1,973 -> 1,906 us from 32 to 64 under Nsight Compute: half
+# the loop's steps, though it spills more (66 M local-memory load sectors against 38 M). Other dtypes keep
+# GRAD_BLOCK_V: fp16 saves fp32 states, whose wider tiles were not compiled at 64, and fp32 inputs at 64 asked 256
+# KiB of shared memory (H100, 2026-12-06).
+FUSED_GRAD_BLOCK_V = 64
 # Programs per chunk of the V gradient kernel with u and dx from the passes (`Config.grad_k_splits`), at 4 warps.
 # H200, 8x2048x16x128 bf16, `bench_kda_gpu.py` host-timed in one call (2026-11-29 07:16-07:21): the kernel 1.755-1.762
 # ms as one program at 8 warps, 1.445 as two at 4 warps (2.126 at 8 warps; 1.907 / 1.778 with V blocks of 64).
@@ -1980,12 +1986,13 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
                   grad_k_dots=tolerant, output_dots=dots,
                   prepare="partner",
                   block_v=block_v,
-                  grad_block_v=min(FP32_GRAD_BLOCK_V if fp32 else GRAD_BLOCK_V, V), warps=4, prepare_warps=2,
+                  grad_block_v=min(GRAD_BLOCK_V, V), warps=4, prepare_warps=2,
                   grad_warps=4 if grad_k_splits > 1 else 8, pair_warps=4, stages=2, interpret=interpret,
                   operands="stored", pass_stages=pass_stages, block_k=32, pair_block_k=32, reverse_warps=4,
                   cumsum="with_operands", span_limit=SPAN_LIMIT, state_storage="bf16" if bf16 else "fp32",
                   grads_from_passes=dots == "split", grad_k_splits=grad_k_splits,
                   fused_pair_grads=dots == "split", backward_operands=BACKWARD_OPERANDS_DEFAULT,
+                  fused_grad_block_v=min(FUSED_GRAD_BLOCK_V if bf16 else GRAD_BLOCK_V, V),
                   primal_forward=primal_forward)
 
 

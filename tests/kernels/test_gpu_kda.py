@@ -740,15 +740,16 @@ def test_gradient_kernel_split_over_channels_equals_one_program_in_interpreter(d
     assert _lower_for_cuda(128, 128, jnp.bfloat16, T=64, overrides=split) == _expected_kernels(split)
 
 
-@pytest.mark.parametrize("dtype,H,Hv,block_k", [("bfloat16", 2, 2, 32), ("float16", 1, 2, 16)])
-def test_fused_pair_gradients_equal_the_two_kernels_in_interpreter(dtype, H, Hv, block_k):
+@pytest.mark.parametrize("dtype,H,Hv,block_k,block_v", [("bfloat16", 2, 2, 32, 32), ("float16", 1, 2, 16, 16)])
+def test_fused_pair_gradients_equal_the_two_kernels_in_interpreter(dtype, H, Hv, block_k, block_v):
     """`Config.fused_pair_grads` (the 16-bit default): in a call whose chunks all span at most the limit, the V
     gradient kernel forms both dP and dM in every program (`pair_block_k` channels) and adds the pair terms of its
     channels itself. The products are the two
     kernels' on the same values (the partials stay in registers instead of a round trip through fp32 arrays), so
     the gradients equal theirs up to bf16 rounding flips; both at the bf16 bounds against the scan. A -20 gate
     sends the call to the two kernels. K = 64 in 2 or 4 blocks, V = 32, documents, an initial state; fp16 with two
-    value heads per key head. The refusal, and lowering for an abstract H100 (the fused kernel beside the
+    value heads per key head, and V blocks of 16 in the fused kernel's loop (`fused_grad_block_v`; the two kernels'
+    V kernel keeps its own). The refusals, and lowering for an abstract H100 (the fused kernel beside the
     fallback's V kernel and one pair kernel, in place of the two lowerings of the pair kernel; none without the
     call's span check)."""
     x = _inputs(T=130, B=1, H=H, Hv=Hv, K=64, V=32)
@@ -756,7 +757,7 @@ def test_fused_pair_gradients_equal_the_two_kernels_in_interpreter(dtype, H, Hv,
     x["scale"] = 64 ** -0.5
     fused = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
     assert fused.fused_pair_grads and fused.pair_block_k == 32
-    fused = dataclasses.replace(fused, pair_block_k=block_k)
+    fused = dataclasses.replace(fused, pair_block_k=block_k, fused_grad_block_v=block_v)
     cfg = dataclasses.replace(fused, fused_pair_grads=False)
     Tp = 192
     all_bounded = lambda log_decay: bool(jax.jit(lambda g, glo: kda_module._when_all_bounded(
@@ -771,8 +772,9 @@ def test_fused_pair_gradients_equal_the_two_kernels_in_interpreter(dtype, H, Hv,
             _, results[name] = _check(inputs, BF16_OUT_TOL, _bf16_grad_tol, fn=fn,
                                       label=f"{name}-{case}-{dtype}-{block_k}")
         _assert_equal_up_to_16_bit_rounding(results["two kernels"], results["fused"])
-    with pytest.raises(ValueError, match="pair_block_k"):
-        _grads(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(fused, pair_block_k=8)), x)
+    for refused in (dict(pair_block_k=8), dict(fused_grad_block_v=24)):
+        with pytest.raises(ValueError, match=next(iter(refused))):
+            _grads(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(fused, **refused)), x)
     lower = lambda **overrides: _lower_for_cuda(128, 128, jnp.bfloat16, T=64, overrides=dict(pair_block_k=block_k,
                                                 **overrides), kernel_names=("kda_grads_fused",))
     assert lower() == _expected_kernels() + (True,)
@@ -1004,7 +1006,7 @@ CONFIG_VARIANTS = {
     "prep_blocks_rows": dict(prepare="blocks", inverse="rows"),
     "warps": dict(warps=8, prepare_warps=8, grad_warps=8, pair_warps=4),
     "few_warps": dict(warps=2, prepare_warps=2, grad_warps=2, pair_warps=2),
-    "blocks_v": dict(block_v=32, grad_block_v=64),
+    "blocks_v": dict(block_v=32, grad_block_v=64, fused_grad_block_v=32),
     "stages": dict(stages=3),
     "split_forward": dict(forward="split"),
     "split_forward_blocks": dict(forward="split", block_v=32, output_block_v=128, warps=8),

@@ -1304,25 +1304,21 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
     squares = (zeros(C, C),) if shared_squares else (zeros(C, C), zeros(C, C))
     acc = (zeros(C, K), zeros(C, K), zeros(C, K), squares, zeros(C), zeros(K))
     dqa, dka, dke, squares, dbeta, dgamma = lax.fori_loop(0, V // BV, v_block, acc)
-    if fused:
-        bound_after_loop = boundary if src else (lambda: bound)  # with stored operands it is formed only now
-        _fused_epilogue(cfg, geo, q_ref, k_ref, g_ref, glo_ref, beta, doc_ref, r_ref, out_refs[1:], bound_after_loop,
-                        dqa, dka, dke, squares, dbeta, dgamma, role)
-        return
     if src:
         bound = boundary()
-    a, e = bound.a, bound.e
-    q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+    if fused:
+        _fused_epilogue(cfg, geo, q_ref, k_ref, g_ref, glo_ref, beta, doc_ref, r_ref, out_refs[1:], bound, dqa, dka,
+                        dke, squares, dbeta, dgamma, role)
+        return
+    q, k, dq, dk, dg, de = _boundary_grads(cfg, geo, q_ref, k_ref, bound, dqa, dka, dke, dgamma)
 
     incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
-    dqa = cfg.scale * dqa
     masked_dp = lambda dp: jnp.where(incl, cfg.scale * dp, 0.0)
     masked_dm = lambda dm: jnp.where(strict, dm, 0.0)
 
     def store(refs, x):
         refs[0][...], refs[1][...] = x, x.T  # the pair kernel loads rows of dP and dM as columns of the transposes
 
-    gamma_term = jnp.where(geo.rows == C - 1, (bound.gamma * dgamma)[None, :], 0.0)
     if split_k:
         square = jnp.where(role == 0, masked_dp(squares[0]), masked_dm(squares[0]))
         pl.when(role == 0)(lambda: store((dp_ref, dpt_ref), square))
@@ -1333,35 +1329,36 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
         store((dp_ref, dpt_ref), dp)
         store((dm_ref, dmt_ref), dm)
         dbeta_ref[...] = dbeta + jnp.sum(dm * r_ref[...], axis=1)  # through R's factor diag(beta)
-    dq_ref[...] = a * dqa
-    dk_ref[...] = e * dke + a * dka
-    # dG through A = carry exp(G) and gamma = carry_C exp(G_C) (at the last token). E's share goes out separately
-    # (`de`): its gates are those after s, an exclusive cumsum done in XLA; routing it through dG (-x at s, +x at
-    # C) would cancel in the reverse cumsum and leave O(eps x) where d(log_decay) ~ exp(-20).
-    dg_ref[...] = a * (q * dqa + k * dka) + gamma_term
-    de_ref[...] = k * dke * e
+    dq_ref[...], dk_ref[...], dg_ref[...], de_ref[...] = dq, dk, dg, de
 
 
-def _fused_epilogue(cfg, geo, q_ref, k_ref, g_ref, glo_ref, beta, doc_ref, r_ref, out_refs, boundary, dqa, dka, dke,
-                    squares, dbeta, dgamma, role):
-    """The fused kernel's end (`_grad_v_kernel`): the boundary terms, then the pair terms, each C x BK value formed
-    as late and dropped as early as the sums allow (the V contractions' three accumulators first, folded into dq's,
-    dk's and dG's running sums and dE), so that fewer tiles are live at once. The same operations in the same order
-    of summation as the two-kernel path's (`_one_reference_pair_terms`). `out_refs`: dq, dk, d(log_decay), dbeta.
-    (The same sums in one expression, all terms formed first, spilled more: docs/kernels.md, "KDA: the fused gradient
-    kernel's end reordered".)"""
-    dq_ref, dk_ref, dlog_ref, dbeta_ref = out_refs
-    C = cfg.chunk_size
-    k = k_ref[...].astype(F32)
-    bound = boundary()
+def _boundary_grads(cfg, geo, q_ref, k_ref, bound, dqa, dka, dke, dgamma):
+    """(q, k, dq, dk, dG, dE) of the V contractions' accumulators for one chunk and block of channels, fp32: dq =
+    A (.) scale dqa, dk = E (.) dke + A (.) dka, dG through A = carry exp(G) and gamma = carry_C exp(G_C) (at the
+    last token), dE = K (.) dke (.) E. Each accumulator is folded in as early as the sums allow and k is loaded
+    before q, so that fewer C x BK tiles are live at once (the fused kernel spills at 255 registers). E's share goes
+    out separately: its gates are those after s, an exclusive cumsum done in XLA; routing it through dG (-x at s,
+    +x at C) would cancel in the reverse cumsum and leave O(eps x) where d(log_decay) ~ exp(-20)."""
     a, e = bound.a, bound.e
+    k = k_ref[...].astype(F32)
     de = k * dke * e
-    dk_in = e * dke + a * dka
+    dk = e * dke + a * dka
     q = q_ref[...].astype(F32)
     dqa = cfg.scale * dqa
-    gamma_term = jnp.where(geo.rows == C - 1, (bound.gamma * dgamma)[None, :], 0.0)
-    dg_in = a * (q * dqa + k * dka) + gamma_term
-    dq_in = a * dqa
+    gamma_term = jnp.where(geo.rows == cfg.chunk_size - 1, (bound.gamma * dgamma)[None, :], 0.0)
+    dg = a * (q * dqa + k * dka) + gamma_term
+    return q, k, a * dqa, dk, dg, de
+
+
+def _fused_epilogue(cfg, geo, q_ref, k_ref, g_ref, glo_ref, beta, doc_ref, r_ref, out_refs, bound, dqa, dka, dke,
+                    squares, dbeta, dgamma, role):
+    """The fused kernel's end (`_grad_v_kernel`): the boundary terms (`_boundary_grads`), then the pair terms
+    (`_one_reference_pair_terms`), which take each term as it is formed, so that fewer tiles are live at once. The
+    same operations in the same order of summation as the two-kernel path's. `out_refs`: dq, dk, d(log_decay),
+    dbeta. (The same sums in one expression, all terms formed first, spilled more: docs/kernels.md, "KDA: the fused
+    gradient kernel's end reordered".)"""
+    dq_ref, dk_ref, dlog_ref, dbeta_ref = out_refs
+    q, k, dq_in, dk_in, dg_in, de = _boundary_grads(cfg, geo, q_ref, k_ref, bound, dqa, dka, dke, dgamma)
     incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
     dm = jnp.where(strict, squares[1], 0.0)
     r_term = jnp.sum(dm * r_ref[...], axis=1)  # through R's factor diag(beta)

@@ -73,8 +73,8 @@ the index maps, never a repeated copy):
   in-chunk sums: reverse for G, exclusive forward for E, whose gates are those after s).
 - With `Config.fused_pair_grads` (the 16-bit default), a call whose chunks all span at most `SPAN_LIMIT` runs one
   kernel instead of the last two: `_grad_v_kernel` over grid (K/BK, chunks, B*Hv) forms both dP and dM in every
-  program and adds the pair terms of its BK channels (`_one_reference_pair_terms`), writing dq, dk and
-  d(log_decay); the partials and the squares never go through memory.
+  program and adds the pair terms of its BK channels (`_one_reference_pair_products`, `_sum_pair_terms`), writing
+  dq, dk and d(log_decay); the partials and the squares never go through memory.
 
 In XLA around them: padding (T to a multiple of C, K and V to powers of two >= 16), the document flags and, when
 value heads share a key head, the sum of dq/dk over them. (The cumsums of d(log_decay) and dtype casts in XLA took
@@ -1218,9 +1218,16 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
     forms dP and writes dv, role 1 forms dM (one C x C accumulator each).
 
     Fused (`Config.fused_pair_grads` in a call whose chunks all span at most `span_limit`): every program forms
-    both squares and adds the pair terms of its channels itself (`_one_reference_pair_terms`), writing dq, dk and
-    d(log_decay) instead of partials and squares; the value, dv and dbeta's share through R are counted by the
-    first channel block."""
+    both squares and adds the pair terms of its channels itself (`_one_reference_pair_products`,
+    `_sum_pair_terms`), writing dq, dk and d(log_decay) instead of partials and squares; the value, dv and dbeta's
+    share through R are counted by the first channel block. With the saved u and dx (`Config.grads_from_passes`)
+    it forms the squares first, in a loop of their own, and their pair products before the V contractions' loop:
+    the squares are dead by then, and the three C x BK products live across that loop in their place (H100,
+    8x2048x16x128 bf16, 2026-12-06: kda_grads_fused 1.90-1.92 -> 1.81 ms, half the spilled sectors; one loop per
+    accumulator instead of the second loop measured slower; docs/kernels.md, "KDA: the fused gradient kernel's
+    squares first"). Without them (u and dx formed per V block, which would then be twice), one loop forms all and
+    the pair terms come last.
+    """
     n = _n_source(cfg, "backward") if cfg.operands == "stored" else 0
     n_saved = 4 if cfg.grads_from_passes else 2  # (u hi, u lo, dx hi, dx lo) or (T, P)
     src, refs = refs[:n], refs[n:]
@@ -1240,6 +1247,7 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
     split_k = channel_blocks > 1
     role = pl.program_id(0) if split_k else None
     shared_squares = split_k and not fused  # dP on role 0, dM on role 1
+    squares_first = fused and cfg.grads_from_passes
     boundary = lambda: _boundary(geo, g_ref[...], glo_ref[...], carry_ref[...], tail_ref[...])
     if not src:
         bound = boundary()
@@ -1251,16 +1259,26 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
         # 2026-11-25).
         t, p = (_split_bf16(x[...]) if mode == "split" else x[...] for x in saved_refs)
 
+    def saved_u_and_dx(cols):
+        """(u, dx) of V block `cols` as the passes saved them, (hi, lo) pairs."""
+        return tuple((hi[:, cols], lo[:, cols]) for hi, lo in (saved_refs[:2], saved_refs[2:]))
+
     def u_and_dx(cols, y, do, dend, ke):
         """(u, dx) of V block `cols`: fp32 or, as the passes saved them, (hi, lo) pairs."""
         if cfg.grads_from_passes:
-            return tuple((hi[:, cols], lo[:, cols]) for hi, lo in (saved_refs[:2], saved_refs[2:]))
+            return saved_u_and_dx(cols)
         u = _odot(t, beta[:, None] * y, mode=mode)
         du = cfg.scale * _odot(p, do, ta=True, mode=mode) + _odot(ke, dend, mode=cfg.state_dots)
         return u, _odot(t, du, ta=True, mode=mode)  # dx = dL/d(beta y)
 
     def store_dv(cols, dx):
         dv_ref[:, cols] = (beta[:, None] * dx).astype(dv_ref.dtype)
+
+    def add_squares(squares, do, u, dx_parts):
+        dp, dm = squares
+        dp = dp + _nt_dot(do, u, mode=mode)  # / scale
+        dm = dm - _nt_dot(dx_parts, u, mode=mode)  # dL/d(diag(beta) R) = -T^T du u^T
+        return dp, dm
 
     def v_block(j, acc):
         dqa, dka, dke, squares, dbeta, dgamma = acc
@@ -1291,24 +1309,34 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
             # the same sums as below.
             left = tuple(jnp.where(role == 0, a, -b) for a, b in zip(_split_bf16(do), dx_parts))
             squares = (squares[0] + _nt_dot(left, u, mode=mode),)
-        else:
-            dp, dm = squares
-            dp = dp + _nt_dot(do, u, mode=mode)  # / scale
-            dm = dm - _nt_dot(dx_parts, u, mode=mode)  # dL/d(diag(beta) R) = -T^T du u^T
-            squares = (dp, dm)
+        elif not squares_first:
+            squares = add_squares(squares, do, u, dx_parts)
         dbeta = dbeta + jnp.sum(dx * y, axis=1)
         dgamma = dgamma + jnp.sum(s0.astype(F32) * dend.astype(F32), axis=1)
         return dqa, dka, dke, squares, dbeta, dgamma
 
     zeros = lambda *shape: jnp.zeros(shape, F32)
-    squares = (zeros(C, C),) if shared_squares else (zeros(C, C), zeros(C, C))
+    pair_inputs = (cfg, geo, g_ref, glo_ref, beta, doc_ref, r_ref)
+    if squares_first:
+        def square_block(j, squares):
+            cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
+            return add_squares(squares, do_ref[:, cols], *saved_u_and_dx(cols))
+
+        squares = lax.fori_loop(0, V // BV, square_block, (zeros(C, C), zeros(C, C)))
+        q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+        r_term, dp_self, products = _fused_pair_products(*pair_inputs, q, k, squares)
+        pair = (r_term, dp_self, tuple(form() for form in products))
+        squares = ()
+    else:
+        squares = (zeros(C, C),) if shared_squares else (zeros(C, C), zeros(C, C))
     acc = (zeros(C, K), zeros(C, K), zeros(C, K), squares, zeros(C), zeros(K))
     dqa, dka, dke, squares, dbeta, dgamma = lax.fori_loop(0, V // BV, v_block, acc)
     if src:
         bound = boundary()
     if fused:
-        _fused_epilogue(cfg, geo, q_ref, k_ref, g_ref, glo_ref, beta, doc_ref, r_ref, out_refs[1:], bound, dqa, dka,
-                        dke, squares, dbeta, dgamma, role)
+        if not squares_first:
+            pair = lambda q, k: _fused_pair_products(*pair_inputs, q, k, squares)
+        _fused_epilogue(cfg, geo, q_ref, k_ref, out_refs[1:], bound, dqa, dka, dke, pair, dbeta, dgamma, role)
         return
     q, k, dq, dk, dg, de = _boundary_grads(cfg, geo, q_ref, k_ref, bound, dqa, dka, dke, dgamma)
 
@@ -1350,24 +1378,30 @@ def _boundary_grads(cfg, geo, q_ref, k_ref, bound, dqa, dka, dke, dgamma):
     return q, k, a * dqa, dk, dg, de
 
 
-def _fused_epilogue(cfg, geo, q_ref, k_ref, g_ref, glo_ref, beta, doc_ref, r_ref, out_refs, bound, dqa, dka, dke,
-                    squares, dbeta, dgamma, role):
-    """The fused kernel's end (`_grad_v_kernel`): the boundary terms (`_boundary_grads`), then the pair terms
-    (`_one_reference_pair_terms`), which take each term as it is formed, so that fewer tiles are live at once. The
-    same operations in the same order of summation as the two-kernel path's. `out_refs`: dq, dk, d(log_decay),
-    dbeta. (The same sums in one expression, all terms formed first, spilled more: docs/kernels.md, "KDA: the fused
-    gradient kernel's end reordered".)"""
-    dq_ref, dk_ref, dlog_ref, dbeta_ref = out_refs
-    q, k, dq_in, dk_in, dg_in, de = _boundary_grads(cfg, geo, q_ref, k_ref, bound, dqa, dka, dke, dgamma)
+def _fused_pair_products(cfg, geo, g_ref, glo_ref, beta, doc_ref, r_ref, q, k, squares):
+    """(dbeta's share through R, dp_self, thunks of the pair products) of the fused kernel's squares (dP, dM
+    unmasked): `_one_reference_pair_products`."""
     incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
     dm = jnp.where(strict, squares[1], 0.0)
     r_term = jnp.sum(dm * r_ref[...], axis=1)  # through R's factor diag(beta)
-    dbeta_ref[...] = dbeta + (r_term if role is None else jnp.where(role == 0, r_term, 0.0))
     dp = jnp.where(incl, cfg.scale * squares[0], 0.0)
     to_end, from_end = _end_reference_split(g_ref, glo_ref, slice(None))
-    dg = _one_reference_pair_terms(
-        cfg, q, k, to_end, from_end, beta, dp, dm, dq_in=dq_in, dk_in=dk_in, dg_in=dg_in,
-        store_dq=lambda x: _store(dq_ref, x), store_dk=lambda x: _store(dk_ref, x))
+    return (r_term, *_one_reference_pair_products(cfg, q, k, to_end, from_end, beta, dp, dm))
+
+
+def _fused_epilogue(cfg, geo, q_ref, k_ref, out_refs, bound, dqa, dka, dke, pair, dbeta, dgamma, role):
+    """The fused kernel's end (`_grad_v_kernel`): the boundary terms (`_boundary_grads`), then the pair terms
+    (`_sum_pair_terms`), which take each term as it is formed, so that fewer tiles are live at once. The same
+    operations in the same order of summation as the two-kernel path's. `pair`: `_fused_pair_products`'s triple,
+    its products formed, or a function of (q, k) that gives it. `out_refs`: dq, dk, d(log_decay), dbeta. (The same
+    sums in one expression, all terms formed first, spilled more: docs/kernels.md, "KDA: the fused gradient kernel's
+    end reordered".)"""
+    dq_ref, dk_ref, dlog_ref, dbeta_ref = out_refs
+    q, k, dq_in, dk_in, dg_in, de = _boundary_grads(cfg, geo, q_ref, k_ref, bound, dqa, dka, dke, dgamma)
+    r_term, dp_self, products = pair(q, k) if callable(pair) else pair
+    dbeta_ref[...] = dbeta + (r_term if role is None else jnp.where(role == 0, r_term, 0.0))
+    dg = _sum_pair_terms(q, k, dp_self, *products, dq_in=dq_in, dk_in=dk_in, dg_in=dg_in,
+                         store_dq=lambda x: _store(dq_ref, x), store_dk=lambda x: _store(dk_ref, x))
     _write_log_decay_grad(dlog_ref, [dg], [de])
 
 
@@ -1462,39 +1496,51 @@ def _write_log_decay_grad(dlog_ref, dgs, des):
         earlier = earlier + column_sum(de)
 
 
-def _one_reference_pair_terms(cfg, q, k, to_end, from_end, beta, dp, dm, *, dq_in, dk_in, dg_in, store_dq, store_dk):
-    """dq, dk (given to `store_dq`, `store_dk`) and dG (returned) of one chunk of bounded span (SPAN_LIMIT) and a
-    block of channels, fp32: the V contractions' partials plus the pair terms, the products of the sub-chunk scheme's
-    blocks i > j over the whole chunk, split at the last token's gate (`to_end`, `from_end`:
-    `_end_reference_split`). dP, dM as the V kernel masks them. dq is complete after the first product and leaves
-    then, dk after the last; dG takes each term as it is formed (fewer C x BK tiles live at once: the fused kernel
-    spills at 255 registers)."""
+def _one_reference_pair_products(cfg, q, k, to_end, from_end, beta, dp, dm):
+    """(dp_self, thunks of left_p, left_r, right) of one chunk of bounded span (SPAN_LIMIT) and a block of channels,
+    fp32: the pair terms are the products of the sub-chunk scheme's blocks i > j over the whole chunk, split at the
+    last token's gate (`to_end`, `from_end`: `_end_reference_split`). dP, dM as the V kernel masks them; dp_self
+    their pairs s = t (dq, dk only). The thunks let a caller form each C x BK product as late as its sums allow
+    (`_sum_pair_terms`)."""
     C, mode = cfg.chunk_size, cfg.dots
     diagonal = _iota(C, C, 0) == _iota(C, C, 1)
     dp_self = jnp.sum(jnp.where(diagonal, dp, 0.0), axis=1)[:, None]
     dp = jnp.where(diagonal, 0.0, dp)  # the pairs s < t; s = t stays out of dG, as in the sub-chunk scheme
     dr = beta[:, None] * dm
     k_from = k * from_end
-    left_p = to_end * _dot(dp, k_from, mode=mode)
+    left_p = lambda: to_end * _dot(dp, k_from, mode=mode)
+    left_r = lambda: to_end * _dot(dr, k_from, mode=mode)
+    right = lambda: from_end * (_dot(dp, q * to_end, ta=True, mode=mode) + _dot(dr, k * to_end, ta=True, mode=mode))
+    return dp_self, (left_p, left_r, right)
+
+
+def _sum_pair_terms(q, k, dp_self, left_p, left_r, right, *, dq_in, dk_in, dg_in, store_dq, store_dk):
+    """dq, dk (given to `store_dq`, `store_dk`) and dG (returned): the V contractions' partials plus the pair
+    terms (`_one_reference_pair_products`: each product given, or a thunk formed here). dq is complete after the
+    first product and leaves then, dk after the last; dG takes each term as it comes (fewer C x BK tiles live at
+    once: the fused kernel spills at 255 registers)."""
+    form = lambda x: x() if callable(x) else x
+    left_p = form(left_p)
     store_dq(dq_in + left_p + dp_self * k)
     dg = dg_in + q * left_p
-    left_r = to_end * _dot(dr, k_from, mode=mode)
+    left_r = form(left_r)
     dk = dk_in + left_r + dp_self * q
     dg = dg + k * left_r
-    right = from_end * (_dot(dp, q * to_end, ta=True, mode=mode) + _dot(dr, k * to_end, ta=True, mode=mode))
+    right = form(right)
     store_dk(dk + right)
     return dg - k * right
 
 
 def _pair_grads_one_reference(q_ref, k_ref, g_ref, glo_ref, beta_ref, dp_ref, dm_ref, dpt_ref, dmt_ref, dq_in_ref,
                               dk_in_ref, dg_in_ref, de_ref, dq_ref, dk_ref, dlog_ref, *, cfg):
-    """The pair terms of a chunk of bounded span (`_one_reference_pair_terms`)."""
+    """The pair terms of a chunk of bounded span (`_one_reference_pair_products`, `_sum_pair_terms`)."""
     del dpt_ref, dmt_ref
     q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
     to_end, from_end = _end_reference_split(g_ref, glo_ref, slice(None))
-    dg = _one_reference_pair_terms(cfg, q, k, to_end, from_end, beta_ref[...], dp_ref[...], dm_ref[...],
-                                   dq_in=dq_in_ref[...], dk_in=dk_in_ref[...], dg_in=dg_in_ref[...],
-                                   store_dq=lambda x: _store(dq_ref, x), store_dk=lambda x: _store(dk_ref, x))
+    dp_self, products = _one_reference_pair_products(cfg, q, k, to_end, from_end, beta_ref[...], dp_ref[...],
+                                                     dm_ref[...])
+    dg = _sum_pair_terms(q, k, dp_self, *products, dq_in=dq_in_ref[...], dk_in=dk_in_ref[...], dg_in=dg_in_ref[...],
+                         store_dq=lambda x: _store(dq_ref, x), store_dk=lambda x: _store(dk_ref, x))
     _write_log_decay_grad(dlog_ref, [dg], [de_ref[...]])
 
 

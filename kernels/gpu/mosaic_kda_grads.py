@@ -1,6 +1,7 @@
 """The chunk-parallel gradients of KDA (per-key-channel decay) as one Mosaic GPU kernel (`kda.Config.grads_backend
 ="mosaic"`), for calls whose chunks all span at most `kda.SPAN_LIMIT` (one reference gate per chunk): the math of
-`kda._grad_v_kernel` fused with `kda._one_reference_pair_terms` and `kda._write_log_decay_grad`.
+`kda._grad_v_kernel` fused with `kda._one_reference_pair_products`, `kda._sum_pair_terms` and
+`kda._write_log_decay_grad`.
 
 Per chunk and value head, with S_0 the chunk's start state (bf16, saved by the forward pass), dS its end state's
 cotangent (bf16, from the reverse pass), u and dx = dL/d(beta y) as the passes saved them (bf16 pairs), G the

@@ -1958,7 +1958,9 @@ GRAD_BLOCK_V = 32  # the V kernel of the two-kernel path (calls with long spans)
 # 2.224 / 2.179 at 64, 2.566 at 16 (`bench_kda_gpu.py`), 1,973 -> 1,906 us from 32 to 64 under Nsight Compute: half
 # the loop's steps, though it spills more (66 M local-memory load sectors against 38 M). Other dtypes keep
 # GRAD_BLOCK_V: fp16 saves fp32 states, whose wider tiles were not compiled at 64, and fp32 inputs at 64 asked 256
-# KiB of shared memory (H100, 2026-12-06).
+# KiB of shared memory (H100, 2026-12-06). With the squares in a loop of their own, 32 again measured slower: KDA
+# forward+backward 3.80 ms against 3.69 at 64 (H100, 2026-12-06, docs/kernels.md, "KDA: the fused gradient kernel's
+# squares first").
 FUSED_GRAD_BLOCK_V = 64
 # Programs per chunk of the V gradient kernel with u and dx from the passes (`Config.grad_k_splits`), at 4 warps.
 # H200, 8x2048x16x128 bf16, `bench_kda_gpu.py` host-timed in one call (2026-11-29 07:16-07:21): the kernel 1.755-1.762

@@ -85,9 +85,17 @@ if [[ ",$MODE," == *",bytes,"* ]]; then
   for rule in gated_deltanet kda; do
     if [[ $rule == kda ]]; then profile="profile_kda_gpu.py --variant=mosaic_shared_head_reverse"
     else profile="profile_mosaic_gpu.py --backward"; fi
-    (cd experiments && timeout ${BYTES_TIMEOUT:-250} ncu --clock-control none --csv --metrics \
-      gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,$SPILL_METRICS python3 $profile --calls=2 \
-      --size=${BYTES_SIZE:-8x2048x16x128} >"$out/bytes_$rule.csv" 2>"$out/bytes_$rule.err")
+    profile_with() {  # metrics, CSV name
+      (cd experiments && timeout ${BYTES_TIMEOUT:-250} ncu --clock-control none --csv --metrics "$1" python3 $profile \
+        --calls=2 --size=${BYTES_SIZE:-8x2048x16x128} >"$out/$2.csv" 2>"$out/$2.err")
+    }
+    if ! profile_with gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,$SPILL_METRICS bytes_$rule; then
+      # ncu itself crashed (segmentation fault) on KDA's squares-first gradient kernel with all six metrics and ran
+      # without dram__bytes_read.sum (H100, 2026-12-06): then the metrics in two runs.
+      echo "$rule: ncu failed with all metrics; again in two runs (bytes_$rule.csv, spills_$rule.csv)"
+      profile_with gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum bytes_$rule
+      profile_with gpu__time_duration.sum,$SPILL_METRICS spills_$rule
+    fi
     echo "$rule: $(grep -c dram__bytes_read "$out/bytes_$rule.csv") kernels profiled, $out/bytes_$rule.csv"
   done
 fi

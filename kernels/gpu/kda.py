@@ -74,7 +74,9 @@ the index maps, never a repeated copy):
 - With `Config.fused_pair_grads` (the 16-bit default), a call whose chunks all span at most `SPAN_LIMIT` runs one
   kernel instead of the last two: `_grad_v_kernel` over grid (K/BK, chunks, B*Hv) forms both dP and dM in every
   program and adds the pair terms of its BK channels (`_one_reference_pair_products`, `_sum_pair_terms`), writing
-  dq, dk and d(log_decay); the partials and the squares never go through memory.
+  dq, dk and d(log_decay); the partials and the squares never go through memory. With the passes' u and dx
+  (`Config.grads_from_passes`) it forms the squares in a first loop over V blocks and their pair products after
+  it, before the V contractions' loop (fewer tiles live at once).
 
 In XLA around them: padding (T to a multiple of C, K and V to powers of two >= 16), the document flags and, when
 value heads share a key head, the sum of dq/dk over them. (The cumsums of d(log_decay) and dtype casts in XLA took

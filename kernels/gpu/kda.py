@@ -1261,6 +1261,8 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
         # 2026-11-25).
         t, p = (_split_bf16(x[...]) if mode == "split" else x[...] for x in saved_refs)
 
+    block_cols = lambda j: pl.ds(pl.multiple_of(j * BV, BV), BV)  # V block j's columns
+
     def saved_u_and_dx(cols):
         """(u, dx) of V block `cols` as the passes saved them, (hi, lo) pairs."""
         return tuple((hi[:, cols], lo[:, cols]) for hi, lo in (saved_refs[:2], saved_refs[2:]))
@@ -1284,7 +1286,7 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
 
     def v_block(j, acc):
         dqa, dka, dke, squares, dbeta, dgamma = acc
-        cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
+        cols = block_cols(j)
         s0, dend, do = s0_ref[:, cols], dend_ref[:, cols], do_ref[:, cols]
         if src:
             ops = _load_operands(cfg, geo, src, slice(None), slice(None), "backward", with_q=False)
@@ -1321,13 +1323,14 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
     pair_inputs = (cfg, geo, g_ref, glo_ref, beta, doc_ref, r_ref)
     if squares_first:
         def square_block(j, squares):
-            cols = pl.ds(pl.multiple_of(j * BV, BV), BV)
+            cols = block_cols(j)
             return add_squares(squares, do_ref[:, cols], *saved_u_and_dx(cols))
 
         squares = lax.fori_loop(0, V // BV, square_block, (zeros(C, C), zeros(C, C)))
         q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
         r_term, dp_self, products = _fused_pair_products(*pair_inputs, q, k, squares)
-        pair = (r_term, dp_self, tuple(form() for form in products))
+        formed = (r_term, dp_self, tuple(form() for form in products))
+        pair = lambda q, k: formed  # formed already, from the q and k loaded above
         squares = ()
     else:
         squares = (zeros(C, C),) if shared_squares else (zeros(C, C), zeros(C, C))
@@ -1336,7 +1339,7 @@ def _grad_v_kernel(*refs, cfg: Config, channel_blocks: int):
     if src:
         bound = boundary()
     if fused:
-        if not squares_first:
+        if not squares_first:  # the products formed as the sums take them
             pair = lambda q, k: _fused_pair_products(*pair_inputs, q, k, squares)
         _fused_epilogue(cfg, geo, q_ref, k_ref, out_refs[1:], bound, dqa, dka, dke, pair, dbeta, dgamma, role)
         return
@@ -1394,13 +1397,13 @@ def _fused_pair_products(cfg, geo, g_ref, glo_ref, beta, doc_ref, r_ref, q, k, s
 def _fused_epilogue(cfg, geo, q_ref, k_ref, out_refs, bound, dqa, dka, dke, pair, dbeta, dgamma, role):
     """The fused kernel's end (`_grad_v_kernel`): the boundary terms (`_boundary_grads`), then the pair terms
     (`_sum_pair_terms`), which take each term as it is formed, so that fewer tiles are live at once. The same
-    operations in the same order of summation as the two-kernel path's. `pair`: `_fused_pair_products`'s triple,
-    its products formed, or a function of (q, k) that gives it. `out_refs`: dq, dk, d(log_decay), dbeta. (The same
-    sums in one expression, all terms formed first, spilled more: docs/kernels.md, "KDA: the fused gradient kernel's
-    end reordered".)"""
+    operations in the same order of summation as the two-kernel path's. `pair`: the function of (q, k) that gives
+    `_fused_pair_products`' triple (its products formed, or thunks). `out_refs`: dq, dk, d(log_decay), dbeta. (The
+    same sums in one expression, all terms formed first, spilled more: docs/kernels.md, "KDA: the fused gradient
+    kernel's end reordered".)"""
     dq_ref, dk_ref, dlog_ref, dbeta_ref = out_refs
     q, k, dq_in, dk_in, dg_in, de = _boundary_grads(cfg, geo, q_ref, k_ref, bound, dqa, dka, dke, dgamma)
-    r_term, dp_self, products = pair(q, k) if callable(pair) else pair
+    r_term, dp_self, products = pair(q, k)
     dbeta_ref[...] = dbeta + (r_term if role is None else jnp.where(role == 0, r_term, 0.0))
     dg = _sum_pair_terms(q, k, dp_self, *products, dq_in=dq_in, dk_in=dk_in, dg_in=dg_in,
                          store_dq=lambda x: _store(dq_ref, x), store_dk=lambda x: _store(dk_ref, x))

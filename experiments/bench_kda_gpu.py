@@ -91,6 +91,7 @@ VARIANTS = {
     "mosaic_pass_output_bf16": dict(pass_backend="mosaic", output_dots="bf16"),
     "mosaic_shared_head": dict(pass_backend="mosaic", mosaic_shared_head=True),  # one CTA per head
     "mosaic_reverse": dict(pass_backend="mosaic", reverse_backend="mosaic"),  # both passes in Mosaic GPU
+    "mosaic_reverse_bv32": dict(pass_backend="mosaic", reverse_backend="mosaic", mosaic_block_v=32),
     # both at K = 256, where they take state blocks of 16 columns only (`mosaic_kda.WIDE_KEY_BLOCK_V`; opt-in)
     "mosaic_reverse_bv16": dict(pass_backend="mosaic", reverse_backend="mosaic", mosaic_block_v=16),
     "mosaic_shared_head_reverse": dict(pass_backend="mosaic", mosaic_shared_head=True, reverse_backend="mosaic"),

@@ -20,7 +20,8 @@ the delta rule with no or a scalar decay, bfloat16 q/k/v, K and V of 64, 128 or 
 blocks of 128), Hv a multiple of H, chunk size 64. For KDA
 (`supports_mosaic_kda`: what `supports_kda` takes, bfloat16, K of 64 or 128, V of 64, 128 or 256, on Hopper)
 "mosaic" runs the KDA kernels with `kda.mosaic_config`, whose forward and reverse passes are the Mosaic GPU ones
-(`mosaic_kda.py`) from 64 value heads per call (KDA at K = 256 goes to "pallas"; the Mosaic passes take it
+(`mosaic_kda.py`) from 64 value heads per call, 16 at K = V = 128 (`kda.mosaic_config`; KDA at K = 256 goes to
+"pallas"; the Mosaic passes take it
 opt-in, measured slower: `mosaic_kda.DISPATCH_KEY_DIMS`). "auto" prefers "mosaic" over
 "pallas" (`MOSAIC_PRIORITY`): measured as fast or faster forward and forward+backward at every size timed
 (docs/benchmarks.md).

@@ -108,7 +108,7 @@ from deltajax.kernels.gpu.common import chunk_parallel_call as _chunk_parallel_c
 from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import last as _last
-from deltajax.kernels.gpu.common import one_program_per_sm_block_v, sequential_block_v
+from deltajax.kernels.gpu.common import MIN_SEQUENTIAL_PROGRAMS, one_program_per_sm_block_v, sequential_block_v
 from deltajax.kernels.gpu.common import split_bf16 as _split_bf16
 from deltajax.kernels.gpu.common import split_pair_dot as _split_pair_dot
 from deltajax.kernels.gpu.common import unit_lower_inverse as _unit_lower_row_inverse
@@ -2051,8 +2051,17 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
 # Triton pass's narrow blocks fill more SMs (1x32768x16x128, H100, host-timed: forward 4.41-4.48 ms with the Mosaic
 # pass against 4.23-4.26 for the Triton one; docs/kernels.md); 32 heads were not timed. With it the reverse pass
 # runs in Mosaic GPU too (8x2048x16x128, H200, host-timed in one call: 0.544 ms against the Triton reverse pass's
-# 0.729 on the same Mosaic forward, forward+backward 4.568 against 4.802).
+# 0.729 on the same Mosaic forward, forward+backward 4.568 against 4.802). At K = V = 128 the threshold is
+# MOSAIC_PASS_MIN_BATCH_HEADS_128.
 MOSAIC_PASS_MIN_BATCH_HEADS = 64
+# At K = V = 128 the Mosaic passes run from 16 value heads, with state blocks of MOSAIC_NARROW_BLOCK_V columns where
+# V / 32 CTAs per head fit one wave of `MIN_SEQUENTIAL_PROGRAMS`: H100, 2026-12-06, `bench_rules.py --rule=kda
+# --impls=mosaic` (marginal device time, ms, forward / forward+backward; two runs each in one call, the Triton passes
+# of BV 16 at 16 heads and 32 at 32 heads against the Mosaic ones of BV 32): 1x32768x16x128 3.550 / 9.471, 3.556 /
+# 9.462 -> 3.441 / 9.101, 3.433 / 9.093; 2x8192x16x128 1.429 / 3.942, 1.424 / 3.945 -> 1.327 / 3.824, 1.346 / 3.822
+# (docs/benchmarks.md). Fewer heads and the other head dims were not timed; they keep MOSAIC_PASS_MIN_BATCH_HEADS.
+MOSAIC_PASS_MIN_BATCH_HEADS_128 = 16
+MOSAIC_NARROW_BLOCK_V = 32
 # From this many batch x value-head pairs the Mosaic forward pass runs one CTA per value head (a producer and two
 # consumer warpgroups, `Config.mosaic_shared_head`), which reads the chunk's key-side operands once for both V
 # halves. Measured on an H200 (2026-12-03, 8x2048x16x128 bf16, `mosaic_config` with and without it, marginal device
@@ -2064,9 +2073,10 @@ MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS = 128
 def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
     """`default_config` with the forward and reverse passes in Mosaic GPU where they apply
     (`mosaic_kda.check_supported`: bf16, K of 64 or 128, V of 64, 128 or 256, chunk 64) and the call has at least
-    `MOSAIC_PASS_MIN_BATCH_HEADS` value heads (from `MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS` with one CTA per value
-    head in the forward pass); the Triton kernels otherwise. The config of the dispatch's "mosaic" implementation
-    for KDA."""
+    `MOSAIC_PASS_MIN_BATCH_HEADS` value heads (`MOSAIC_PASS_MIN_BATCH_HEADS_128` at K = V = 128, there in state
+    blocks of `MOSAIC_NARROW_BLOCK_V` columns while V / 32 CTAs per head fit one wave; from
+    `MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS` with one CTA per value head in the forward pass); the Triton kernels
+    otherwise. The config of the dispatch's "mosaic" implementation for KDA."""
     cfg = default_config(q, v, scale=scale, chunk_size=chunk_size, segmented=segmented, interpret=interpret)
     if q.shape[3] not in mosaic_kda.DISPATCH_KEY_DIMS:  # K = 256: opt-in, measured slower (mosaic_kda.py)
         return cfg
@@ -2075,11 +2085,16 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
                                    block_v=cfg.mosaic_block_v, output_dots=cfg.output_dots)
     except ValueError:
         return cfg
-    batch_heads = q.shape[0] * v.shape[2]
-    if batch_heads < MOSAIC_PASS_MIN_BATCH_HEADS:
+    batch_heads, V = q.shape[0] * v.shape[2], v.shape[3]
+    timed_narrow = q.shape[3] == V == 128
+    if batch_heads < (MOSAIC_PASS_MIN_BATCH_HEADS_128 if timed_narrow else MOSAIC_PASS_MIN_BATCH_HEADS):
         return cfg
-    shared_head = batch_heads >= MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS and 2 * cfg.mosaic_block_v == v.shape[3]
-    return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic", mosaic_shared_head=shared_head)
+    shared_head = batch_heads >= MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS and 2 * cfg.mosaic_block_v == V
+    block_v = cfg.mosaic_block_v
+    if timed_narrow and not shared_head and batch_heads * (V // MOSAIC_NARROW_BLOCK_V) <= MIN_SEQUENTIAL_PROGRAMS:
+        block_v = MOSAIC_NARROW_BLOCK_V
+    return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic", mosaic_shared_head=shared_head,
+                               mosaic_block_v=block_v)
 
 
 def compiles_for(key_dim, value_dim, dtype):

@@ -273,7 +273,7 @@ def test_reverse_pass_equals_the_triton_one_in_interpreter(variant):
 # On a CPU the two families that load the reverse pass most (-20 gates: the sub-chunk scheme; correlated keys with
 # beta near 2: the largest cotangents), one per layout; random inputs reach it in the head-dim and wide-key tests.
 @pytest.mark.parametrize("family,variant", cpu_subset(
-    itertools.product([None, *ADVERSARIAL], ("bv64", "shared_head")),
+    itertools.product([None, *ADVERSARIAL], ("bv64", "bv32", "shared_head")),
     [("decay_minus_20", "bv64"), ("correlated_keys_beta_near_2", "shared_head")]))
 def test_gradients_through_the_mosaic_reverse_pass_in_interpreter(family, variant):
     """Both Mosaic passes (the forward with two CTAs or one CTA per head, as `mosaic_config` picks by head count):
@@ -352,32 +352,37 @@ def test_dispatch_takes_kda_to_mosaic_on_hopper(monkeypatch):
     assert dispatch.select("delta_rule", "auto", KDA_CALL).name == "pallas"
 
 
-@pytest.mark.parametrize("batch,value_heads,dtype,K,V,expected,shared_head", [
-    (8, 16, jnp.bfloat16, D, D, "mosaic", True),  # 128 heads: one CTA per head
-    (4, 16, jnp.bfloat16, D, D, "mosaic", False),  # 64 heads: the threshold
-    (2, 16, jnp.bfloat16, D, D, "triton", False),
-    (8, 16, jnp.float32, D, D, "triton", False),
-    (8, 16, jnp.bfloat16, 64, 64, "mosaic", False),  # K = V = 64: V blocks of 64, no shared head
-    (8, 16, jnp.bfloat16, D, 256, "mosaic", False),  # V = 256: four V blocks of 64 per head
-    (8, 16, jnp.bfloat16, 256, 256, "triton", False),  # K = 256: the Triton passes
+@pytest.mark.parametrize("batch,value_heads,dtype,K,V,expected,shared_head,block_v", [
+    (8, 16, jnp.bfloat16, D, D, "mosaic", True, 64),  # 128 heads: one CTA per head
+    (4, 16, jnp.bfloat16, D, D, "mosaic", False, 64),  # 64 heads: 256 CTAs of 32 columns would be two waves
+    (2, 16, jnp.bfloat16, D, D, "mosaic", False, 32),  # 32 heads: state blocks of 32, 128 CTAs
+    (1, 16, jnp.bfloat16, D, D, "mosaic", False, 32),  # 16 heads: the threshold at K = V = 128
+    (1, 8, jnp.bfloat16, D, D, "triton", False, 64),
+    (8, 16, jnp.float32, D, D, "triton", False, 64),
+    (8, 16, jnp.bfloat16, 64, 64, "mosaic", False, 64),  # K = V = 64: V blocks of 64, no shared head
+    (2, 16, jnp.bfloat16, 64, 64, "triton", False, 64),  # other head dims: from 64 heads (not timed below)
+    (8, 16, jnp.bfloat16, D, 256, "mosaic", False, 64),  # V = 256: four V blocks of 64 per head
+    (2, 16, jnp.bfloat16, D, 256, "triton", False, 64),
+    (8, 16, jnp.bfloat16, 256, 256, "triton", False, 64),  # K = 256: the Triton passes
 ])
 def test_mosaic_config_takes_the_mosaic_pass_from_the_threshold(batch, value_heads, dtype, K, V, expected,
-                                                                 shared_head):
+                                                                 shared_head, block_v):
     q = jnp.zeros((batch, 64, value_heads, K), dtype)
     v = jnp.zeros((batch, 64, value_heads, V), dtype)
     cfg = kda.mosaic_config(q, v, scale=0.1, chunk_size=64, segmented=False, interpret=False)
     assert cfg.pass_backend == expected and cfg.reverse_backend == expected
-    assert cfg.mosaic_shared_head == shared_head
+    assert cfg.mosaic_shared_head == shared_head and cfg.mosaic_block_v == block_v
     assert kda.MOSAIC_PASS_MIN_BATCH_HEADS == 64 and kda.MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS == 128
+    assert kda.MOSAIC_PASS_MIN_BATCH_HEADS_128 == 16 and kda.MOSAIC_NARROW_BLOCK_V == 32
 
 
 def test_registered_function_matches_scan_in_interpreter(monkeypatch):
-    """The dispatch's function on a KDA call above the threshold runs both Mosaic passes (interpreted here): the
-    outputs and the gradients against the scan."""
-    monkeypatch.setattr(kda, "MOSAIC_PASS_MIN_BATCH_HEADS", 2)
+    """The dispatch's function on a KDA call above the threshold runs both Mosaic passes (interpreted here; with
+    few heads in state blocks of 32 columns): the outputs and the gradients against the scan."""
+    monkeypatch.setattr(kda, "MOSAIC_PASS_MIN_BATCH_HEADS_128", 2)
     x = _bf16_case(_inputs(T=70, B=1, H=1, Hv=2, K=D, V=D))
     cfg = kda.mosaic_config(x["q"], x["v"], scale=0.1, chunk_size=64, segmented=True, interpret=True)
-    assert (cfg.pass_backend, cfg.reverse_backend) == ("mosaic", "mosaic")
+    assert (cfg.pass_backend, cfg.reverse_backend, cfg.mosaic_block_v) == ("mosaic", "mosaic", 32)
     _check(x, BF16_OUT_TOL, _bf16_grad_tol,
            fn=lambda *a, **kw: pallas_gpu.mosaic_delta_rule(*a, **kw, chunk_size=64), label="mosaic-dispatch")
 
@@ -511,7 +516,7 @@ def test_gpu_wide_keys_match_scan(family, V):
 
 
 @gpu_only
-@pytest.mark.parametrize("variant", ["bv64", "shared_head"])
+@pytest.mark.parametrize("variant", ["bv64", "bv32", "shared_head"])
 @pytest.mark.parametrize("family", [None, *ADVERSARIAL])
 def test_gpu_mosaic_reverse_pass_matches_scan(family, variant):
     """Both passes in Mosaic GPU, compiled: every gradient against the scan at the bf16 bounds."""
@@ -523,7 +528,7 @@ def test_gpu_mosaic_reverse_pass_matches_scan(family, variant):
 
 @gpu_only
 @pytest.mark.parametrize("family", ADVERSARIAL)
-@pytest.mark.parametrize("variant", ["bv64", "shared_head"])
+@pytest.mark.parametrize("variant", ["bv64", "bv32", "shared_head"])
 def test_gpu_adversarial(family, variant):
     """As `test_adversarial_in_interpreter`, compiled, with the gradients against the scan too."""
     x = _bf16_case(_adversarial(family, B=2, T=500, H=2, Hv=4, K=D, V=D))
@@ -532,3 +537,13 @@ def test_gpu_adversarial(family, variant):
     _assert_equal_up_to_16_bit_rounding(mosaic_outputs,
                                         _call(_fn(dataclasses.replace(mosaic, pass_backend="triton")), x),
                                         per_element=False)
+@gpu_only
+def test_gpu_registered_function_at_few_heads_matches_scan():
+    """Compiled, the dispatch's function at 16 value heads (`kda.MOSAIC_PASS_MIN_BATCH_HEADS_128`): both Mosaic
+    passes in state blocks of 32 columns; outputs, final state and every gradient against the fp32 scan at the bf16
+    bounds (packed documents, an initial state, two value heads per key head, T not a multiple of 64)."""
+    x = _bf16_case(_inputs(T=300, B=1, H=8, Hv=16, K=D, V=D))
+    cfg = kda.mosaic_config(x["q"], x["v"], scale=0.1, chunk_size=64, segmented=True, interpret=False)
+    assert (cfg.pass_backend, cfg.reverse_backend, cfg.mosaic_block_v) == ("mosaic", "mosaic", 32)
+    _check(x, BF16_OUT_TOL, _bf16_grad_tol,
+           fn=lambda *a, **kw: pallas_gpu.mosaic_delta_rule(*a, **kw, chunk_size=64), label="gpu-mosaic-16-heads")

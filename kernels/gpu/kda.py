@@ -108,7 +108,7 @@ from deltajax.kernels.gpu.common import chunk_parallel_call as _chunk_parallel_c
 from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import dot as _dot
 from deltajax.kernels.gpu.common import last as _last
-from deltajax.kernels.gpu.common import MIN_SEQUENTIAL_PROGRAMS, one_program_per_sm_block_v, sequential_block_v
+from deltajax.kernels.gpu.common import one_program_per_sm_block_v, sequential_block_v
 from deltajax.kernels.gpu.common import split_bf16 as _split_bf16
 from deltajax.kernels.gpu.common import split_pair_dot as _split_pair_dot
 from deltajax.kernels.gpu.common import unit_lower_inverse as _unit_lower_row_inverse
@@ -2055,7 +2055,7 @@ def default_config(q, v, *, scale, chunk_size, segmented, interpret):
 # MOSAIC_PASS_MIN_BATCH_HEADS_128.
 MOSAIC_PASS_MIN_BATCH_HEADS = 64
 # At K = V = 128 the Mosaic passes run from 16 value heads, with state blocks of MOSAIC_NARROW_BLOCK_V columns where
-# V / 32 CTAs per head fit one wave of `MIN_SEQUENTIAL_PROGRAMS`: H100, 2026-12-06, `bench_rules.py --rule=kda
+# V / 32 CTAs per head fit one wave (`one_program_per_sm_block_v`): H100, 2026-12-06, `bench_rules.py --rule=kda
 # --impls=mosaic` (marginal device time, ms, forward / forward+backward; two runs each in one call, the Triton passes
 # of BV 16 at 16 heads and 32 at 32 heads against the Mosaic ones of BV 32): 1x32768x16x128 3.550 / 9.471, 3.556 /
 # 9.462 -> 3.441 / 9.101, 3.433 / 9.093; 2x8192x16x128 1.429 / 3.942, 1.424 / 3.945 -> 1.327 / 3.824, 1.346 / 3.822
@@ -2090,9 +2090,8 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
     if batch_heads < (MOSAIC_PASS_MIN_BATCH_HEADS_128 if timed_narrow else MOSAIC_PASS_MIN_BATCH_HEADS):
         return cfg
     shared_head = batch_heads >= MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS and 2 * cfg.mosaic_block_v == V
-    block_v = cfg.mosaic_block_v
-    if timed_narrow and not shared_head and batch_heads * (V // MOSAIC_NARROW_BLOCK_V) <= MIN_SEQUENTIAL_PROGRAMS:
-        block_v = MOSAIC_NARROW_BLOCK_V
+    one_wave_narrow = one_program_per_sm_block_v(batch_heads, V, MOSAIC_NARROW_BLOCK_V) == MOSAIC_NARROW_BLOCK_V
+    block_v = MOSAIC_NARROW_BLOCK_V if timed_narrow and not shared_head and one_wave_narrow else cfg.mosaic_block_v
     return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic", mosaic_shared_head=shared_head,
                                mosaic_block_v=block_v)
 

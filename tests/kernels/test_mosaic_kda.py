@@ -537,6 +537,8 @@ def test_gpu_adversarial(family, variant):
     _assert_equal_up_to_16_bit_rounding(mosaic_outputs,
                                         _call(_fn(dataclasses.replace(mosaic, pass_backend="triton")), x),
                                         per_element=False)
+
+
 @gpu_only
 def test_gpu_registered_function_at_few_heads_matches_scan():
     """Compiled, the dispatch's function at 16 value heads (`kda.MOSAIC_PASS_MIN_BATCH_HEADS_128`): both Mosaic

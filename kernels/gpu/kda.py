@@ -261,11 +261,19 @@ class Config:
     # state products), with state blocks of `mosaic_block_v` columns.
     pass_backend: str = "triton"
     mosaic_block_v: int = 64
-    mosaic_shared_head: bool = False  # one CTA per value head (`mosaic_kda._body_shared_head`; V blocks of 64)
+    mosaic_shared_head: bool = False  # one CTA per value head (`mosaic_kda._body_producer`; V blocks of 64)
+    # One CTA per V block with a producer warpgroup that releases each input as soon as it is read
+    # (`mosaic_kda._body_producer` with one consumer) instead of `emit_pipeline`'s whole steps
+    # (`MOSAIC_PRODUCER_AT_128`).
+    mosaic_producer: bool = False
     # The reverse pass's kernel (PASS_BACKENDS): "mosaic" (`mosaic_kda.reverse_pass`, V blocks of `mosaic_block_v`)
     # needs the Mosaic forward pass (T and P as pairs) and the backward's stored operands with plain bf16 state
     # products. The default of `mosaic_config` (timed on an H200, 2026-11-29; `MOSAIC_PASS_MIN_BATCH_HEADS`).
     reverse_backend: str = "triton"
+    # The Mosaic reverse pass with a producer warpgroup per V block, as `mosaic_producer` (`mosaic_kda._reverse_body`).
+    mosaic_reverse_producer: bool = False
+    # The Mosaic reverse pass with one CTA per value head, as `mosaic_shared_head` (V blocks of 64).
+    mosaic_reverse_shared_head: bool = False
     # The gradient kernel of a call whose chunks all span at most `span_limit` (PASS_BACKENDS): "triton" (the fused
     # `_grad_v_kernel`, `fused_pair_grads`) or "mosaic" (`mosaic_kda_grads.grads`: one CTA of two warpgroups per
     # chunk and value head, the squares formed once; bf16, K = V = 128, the passes' saved u and dx and bf16 states).
@@ -1113,7 +1121,7 @@ def _forward_pass(cfg, src, v, beta, t, p, h0, *, with_states):
         _check_mosaic_pass(cfg, with_states)
         return mosaic_kda.forward_pass(src, v, beta, t, p, h0, scale=cfg.scale, output_dots=cfg.output_dots,
                                        block_v=cfg.mosaic_block_v, shared_head=cfg.mosaic_shared_head,
-                                       with_states=with_states, interpret=cfg.interpret)
+                                       producer=cfg.mosaic_producer, with_states=with_states, interpret=cfg.interpret)
     if cfg.forward == "split":
         o, final, starts, u_pair = _split_forward(cfg, src, v, beta, t, p, h0, with_states=with_states)
         return (o, final, starts, u_pair) if with_states else (o, final)
@@ -1174,7 +1182,8 @@ def _reverse_pass(cfg, src, beta, t, p, do, dfinal):
     if cfg.reverse_backend == "mosaic":
         _check_mosaic_pass(cfg, True, knob="reverse_backend")
         return mosaic_kda.reverse_pass(src, beta, t, p, do, dfinal, scale=cfg.scale, block_v=cfg.mosaic_block_v,
-                                       interpret=cfg.interpret)
+                                       producer=cfg.mosaic_reverse_producer,
+                                       shared_head=cfg.mosaic_reverse_shared_head, interpret=cfg.interpret)
     pairs = isinstance(t, tuple)
     squares = (*t, *p) if pairs else (t, p)
     B, Tp, Hv, V = do.shape
@@ -2062,6 +2071,17 @@ MOSAIC_PASS_MIN_BATCH_HEADS = 64
 # (docs/benchmarks.md). Fewer heads and the other head dims were not timed; they keep MOSAIC_PASS_MIN_BATCH_HEADS.
 MOSAIC_PASS_MIN_BATCH_HEADS_128 = 16
 MOSAIC_NARROW_BLOCK_V = 32
+# At K = V = 128 below MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS both Mosaic passes run a producer warpgroup beside each
+# state block's warpgroup, which releases every input as soon as the chunk has read it (`Config.mosaic_producer`,
+# `Config.mosaic_reverse_producer`): H100, 2026-12-06, `bench_rules.py --rule=kda --impls=mosaic` (marginal device
+# time, ms, forward / forward+backward; without, with the forward's, with both): 1x32768x16x128 3.443 / 9.088,
+# 3.048 / 8.730, 3.057 / 8.490; 2x8192x16x128 1.330 / 3.819, 1.188 / 3.685, 1.186 / 3.578; 4x4096x16x128 1.226 /
+# 3.534, 1.062 / 3.521, 1.057 / 3.499 (docs/benchmarks.md). At 128 heads the reverse pass's producer (V blocks of 64)
+# gave 3.731 against 3.727, so the shared-head configuration keeps `emit_pipeline`'s reverse pass. The forward's
+# producer passed its compiled tests; the reverse pass's has passed in the interpreter and lowered, not yet compiled
+# on a GPU, so it stays opt-in (MOSAIC_REVERSE_PRODUCER_AT_128) until its compiled tests have run.
+MOSAIC_PRODUCER_AT_128 = True
+MOSAIC_REVERSE_PRODUCER_AT_128 = False
 # From this many batch x value-head pairs the Mosaic forward pass runs one CTA per value head (a producer and two
 # consumer warpgroups, `Config.mosaic_shared_head`), which reads the chunk's key-side operands once for both V
 # halves. Measured on an H200 (2026-12-03, 8x2048x16x128 bf16, `mosaic_config` with and without it, marginal device
@@ -2074,7 +2094,8 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
     """`default_config` with the forward and reverse passes in Mosaic GPU where they apply
     (`mosaic_kda.check_supported`: bf16, K of 64 or 128, V of 64, 128 or 256, chunk 64) and the call has at least
     `MOSAIC_PASS_MIN_BATCH_HEADS` value heads (`MOSAIC_PASS_MIN_BATCH_HEADS_128` at K = V = 128, there in state
-    blocks of `MOSAIC_NARROW_BLOCK_V` columns while V / 32 CTAs per head fit one wave; from
+    blocks of `MOSAIC_NARROW_BLOCK_V` columns while V / 32 CTAs per head fit one wave, and with a producer warpgroup
+    per state block (`MOSAIC_PRODUCER_AT_128`, `MOSAIC_REVERSE_PRODUCER_AT_128`); from
     `MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS` with one CTA per value head in the forward pass); the Triton kernels
     otherwise. The config of the dispatch's "mosaic" implementation for KDA."""
     cfg = default_config(q, v, scale=scale, chunk_size=chunk_size, segmented=segmented, interpret=interpret)
@@ -2092,8 +2113,10 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
     shared_head = batch_heads >= MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS and 2 * cfg.mosaic_block_v == V
     one_wave_narrow = one_program_per_sm_block_v(batch_heads, V, MOSAIC_NARROW_BLOCK_V) == MOSAIC_NARROW_BLOCK_V
     block_v = MOSAIC_NARROW_BLOCK_V if timed_narrow and not shared_head and one_wave_narrow else cfg.mosaic_block_v
+    few_heads_128 = timed_narrow and not shared_head
     return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic", mosaic_shared_head=shared_head,
-                               mosaic_block_v=block_v)
+                               mosaic_block_v=block_v, mosaic_producer=MOSAIC_PRODUCER_AT_128 and few_heads_128,
+                               mosaic_reverse_producer=MOSAIC_REVERSE_PRODUCER_AT_128 and few_heads_128)
 
 
 def compiles_for(key_dim, value_dim, dtype):

@@ -17,13 +17,20 @@ agree to the fp32 summation order. Differentiated, the pass also writes every ch
 tile the first product reads) and u's bf16 pair, as the Triton pass does with `Config.state_storage="bf16"` and
 `Config.grads_from_passes`; the backward's other kernels are Triton's.
 
-Two layouts. `_body`: one warpgroup per CTA, grid (V/BV, B*Hv); CTA (j, bh) owns the state block
+Three layouts. `_body`: one warpgroup per CTA, grid (V/BV, B*Hv); CTA (j, bh) owns the state block
 S[:, BV j : BV (j+1)] of value head bh and walks the chunks in order, the inputs streaming through
 `plgpu.emit_pipeline` (TMA). SMEM at BV = 64: one pipeline stage of 5 C x K operand tiles, the T and P pairs, v and
 the vectors (120.8 KiB), S's pair, the operand pairs of diag(beta) y and u and the output tile (72 KiB): 193 KiB,
-so one stage (two would ask 314 KiB). `_body_shared_head`: one CTA per value head, a producer and two consumer
-warpgroups (its docstring), where V = 2 BV. Supported: K of 64, 128 or 256 (at 256 state blocks of 16 columns
-and the one-warpgroup layout; opt-in, `DISPATCH_KEY_DIMS`), V of 64, 128 or 256, C = 64, bf16 inputs
+so one stage (two would ask 314 KiB). `_body_producer` (its docstring): a producer warpgroup that releases each
+input as soon as it is read, and either two consumer warpgroups in one CTA per value head (`shared_head`, V = 2
+BV) or one in a CTA per state block (`producer`, `_body`'s grid). The reverse pass (`_reverse_body`) walks the
+chunks last to first in `_body`'s grid, with `emit_pipeline` or (`producer`) the same producer warpgroup, or in
+one CTA per value head with two consumers (`shared_head`; untimed). With one
+stage, the producer fetches the next chunk's first inputs while this chunk's last products run, where
+`emit_pipeline` waits for the whole step: H100, 2026-12-06, 16 to 64 value heads at K = V = 128, the forward 11-13%
+faster, forward+backward 1-7% with both passes' producers (`kda.MOSAIC_PRODUCER_AT_128`, the reverse's opt-in until
+compiled: `kda.MOSAIC_REVERSE_PRODUCER_AT_128`). Supported: K of 64, 128 or 256 (at 256 state blocks of
+16 columns and the one-warpgroup layout; opt-in, `DISPATCH_KEY_DIMS`), V of 64, 128 or 256, C = 64, bf16 inputs
 (`check_supported`).
 """
 
@@ -249,13 +256,34 @@ def _body(*refs, n_operands, with_states, nt, num_heads, scale, split_output, bl
     plgpu.wait_smem_to_gmem(0)
 
 
-def _body_shared_head(*refs, n_operands, with_states, nt, num_heads, scale, split_output, block_v):
-    """One CTA per value head: a producer warpgroup streams the chunk inputs by TMA (once for the head, where
-    `_body`'s two CTAs per head read the key-side operands twice) and two consumer warpgroups each carry the state
-    block of one V half. One pipeline stage (SMEM), but each input is released as soon as the step has read it
+def _consumer_columns(consumers, block_v):
+    """(this consumer's state columns, the columns of v or dO the pipeline loads, a function from the pipeline's
+    tile to this consumer's columns of it): with two consumers the tile holds the head's V, each takes its half."""
+    if consumers == 2:
+        cols = pl.ds(lax.axis_index("wg") * block_v, block_v)
+        return cols, slice(None), lambda tile: tile.at[:, cols]
+    cols = pl.ds(lax.axis_index("v_block") * block_v, block_v)
+    return cols, cols, lambda tile: tile
+
+
+def _barrier_hooks(names, produced, consumed):
+    """`ready` and `done` (`_chunk_step`) on a warp-specialized pipeline's barriers of the inputs `names`."""
+    produced, consumed = dict(zip(names, produced)), dict(zip(names, consumed))
+    ready = lambda *which: [plgpu.barrier_wait(produced[name]) for name in which]
+    done = lambda *which: [plgpu.barrier_arrive(consumed[name]) for name in which]
+    return ready, done
+
+
+def _body_producer(*refs, n_operands, with_states, nt, num_heads, scale, split_output, block_v, consumers):
+    """A producer warpgroup streams the chunk inputs by TMA and `consumers` warpgroups each carry one state block of
+    BV columns. One pipeline stage (SMEM), but each input is released as soon as the step has read it
     (`manual_consumed_barriers`, inputs in the order of first use), so the next chunk's first operands load while
-    this chunk's last products run. Each consumer has S's pair and one operand pair (`_chunk_step`'s one-pair
-    mode)."""
+    this chunk's last products run; `_body`'s `emit_pipeline` loads the next chunk only after the whole step. Each
+    consumer has S's pair and one operand pair (`_chunk_step`'s one-pair mode).
+
+    consumers = 2: one CTA per value head (`shared_head`, V = 2 BV), whose key-side operands are read once for both
+    V halves where `_body`'s two CTAs per head read them twice. consumers = 1: CTA (j, bh) per state block, as
+    `_body`'s grid (`producer`)."""
     gmem, h0_ref, outputs, scratch = _split_refs(refs, n_operands, with_states)
     wg = lax.axis_index("wg")
     s_hi, s_lo, x_pair = (ref.at[wg] for ref in scratch)
@@ -264,17 +292,15 @@ def _body_shared_head(*refs, n_operands, with_states, nt, num_heads, scale, spli
     key_dim = h0_ref.shape[2]
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
-    cols = pl.ds(wg * block_v, block_v)
+    cols, head_cols, own_v = _consumer_columns(consumers, block_v)
     n = len(names)
 
     def chunk(indices, *args):
         (i,) = indices
         chunk_inputs, produced, consumed, s = args[:n], args[n:2 * n], args[2 * n:3 * n], args[3 * n]
         x = dict(zip(names, chunk_inputs))
-        x["v"] = x["v"].at[:, cols]  # this warpgroup's half of v
-        produced, consumed = dict(zip(names, produced)), dict(zip(names, consumed))
-        ready = lambda *which: [plgpu.barrier_wait(produced[name]) for name in which]
-        done = lambda *which: [plgpu.barrier_arrive(consumed[name]) for name in which]
+        x["v"] = own_v(x["v"])
+        ready, done = _barrier_hooks(names, produced, consumed)
         return _chunk_step(tiles, x, s, _out_tiles(outputs, b, h, i, cols, key_dim), scale=scale,
                            split_output=split_output, block_v=block_v, ready=ready, done=done)
 
@@ -284,21 +310,22 @@ def _body_shared_head(*refs, n_operands, with_states, nt, num_heads, scale, spli
         plgpu.wait_smem_to_gmem(0)
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
-        chunk, grid=(nt,), in_specs=_in_specs(names, key_dim, 2 * block_v, _swizzle(block_v)),
-        max_concurrent_steps=STAGES, memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=2,
+        chunk, grid=(nt,), in_specs=_in_specs(names, key_dim, consumers * block_v, _swizzle(block_v)),
+        max_concurrent_steps=STAGES, memory_registers=PRODUCER_REGISTERS, wg_axis="wg", num_compute_wgs=consumers,
         compute_context=consumer, manual_produced_barriers=True, manual_consumed_barriers=True)
-    refs_by_name = gmem(b, h, bh, slice(None))
+    refs_by_name = gmem(b, h, bh, head_cols)
     pipeline(*(refs_by_name[name] for name in names))
 
 
-def _scratch(key_dim, block_v, shared_head, dtype):
-    """`_body`: S's pair, the operand pairs of diag(beta) y and of u, the output tile; `_body_shared_head`: S's pair
-    and one operand pair per consumer. (S's lo tile goes unused with plain bf16 output products.)"""
+def _scratch(key_dim, block_v, consumers, dtype):
+    """`_body` (`consumers` None): S's pair, the operand pairs of diag(beta) y and of u, the output tile;
+    `_body_producer`: S's pair and one operand pair per consumer. (S's lo tile goes unused with plain bf16 output
+    products.)"""
     swizzle = _swizzle(block_v)
-    lead = (2,) if shared_head else ()
+    lead = (consumers,) if consumers else ()
     state = mc.tiled(lead + (key_dim, block_v), swizzle)
     pair = mc.tiled(lead + (2, CHUNK, block_v), swizzle)
-    if shared_head:
+    if consumers:
         return (state, state, pair)
     return (state, state, pair, pair, plgpu.SMEM((CHUNK, block_v), dtype))
 
@@ -307,9 +334,12 @@ def _scratch(key_dim, block_v, shared_head, dtype):
 # its pair, E (.) K hi; `kda._operand_parts`).
 REVERSE_OPERANDS = ("qa_hi", "ak_hi", "ak_lo", "ke_hi")
 REVERSE_INPUTS = REVERSE_OPERANDS + ("do", "t_hi", "t_lo", "p_hi", "p_lo", "beta", "gamma")
+# The producer layout's TMA order: the order in which `_reverse_step` first reads them.
+REVERSE_INPUTS_BY_FIRST_USE = ("p_hi", "p_lo", "do", "ke_hi", "t_hi", "t_lo", "beta", "qa_hi", "ak_hi", "ak_lo",
+                               "gamma")
 
 
-def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v):
+def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v, ready=_no_barrier, done=_no_barrier):
     """`kda._reverse_kernel` for one chunk and the block ds (K x BV fp32) of the cotangent of its end state; returns
     that of its start state, writing the end-state cotangent (bf16) and dx = dL/d(beta y) as its bf16 pair:
 
@@ -318,7 +348,8 @@ def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v):
         dS' = gamma dS + scale [(A.Q)^T dO + (A.K)^T (-beta dx / scale)]    1 + 3 wgmmas (one K x BV accumulator)
 
     the products of the Triton pass with its operand roundings; the second term's operand is split after dividing
-    by the scale, so that one accumulator holds the sum (as `mosaic_wy._reverse_step`)."""
+    by the scale, so that one accumulator holds the sum (as `mosaic_wy._reverse_step`). `ready` and `done` as in
+    `_chunk_step` (the producer layout; inputs in `REVERSE_INPUTS_BY_FIRST_USE`)."""
     s_hi, x_hi, x_lo, dx_hi, dx_lo = tiles
     C, K, BV = CHUNK, s_hi.shape[0], block_v
     dend_tile, dx_hi_tile, dx_lo_tile = out_tiles
@@ -333,7 +364,9 @@ def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v):
         plgpu.wgmma(kd_ref, x["ke_hi"], s_hi)
         return mc.read(pdo_ref, kd_ref)
 
+    ready("p_hi", "p_lo", "do", "ke_hi")
     pdo, kd = pl.run_scoped(cotangent_of_u, mc.acc(C, BV), mc.acc(C, BV))
+    done("p_hi", "p_lo", "ke_hi")
     mc.store_split(scale * pdo + kd, x_hi, x_lo)  # du
     plgpu.commit_smem()
 
@@ -341,9 +374,13 @@ def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v):
         _split_product(acc_ref, [((transposed(x["t_hi"]), transposed(x["t_lo"])), (x_hi, x_lo))])
         return mc.read(acc_ref)
 
+    ready("t_hi", "t_lo")
     dx = pl.run_scoped(cotangent_of_beta_y, mc.acc(C, BV))
+    done("t_hi", "t_lo")
     mc.store_split(dx, dx_hi, dx_lo)
+    ready("beta")
     mc.store_split((-1.0 / scale) * mc.rows(x["beta"], BV) * dx, x_hi, x_lo)  # x is free: T^T du has completed
+    done("beta")
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(dx_hi, dx_hi_tile)
     plgpu.copy_smem_to_gmem(dx_lo, dx_lo_tile)
@@ -353,49 +390,79 @@ def _reverse_step(tiles, x, ds, out_tiles, *, scale, block_v):
         _split_product(acc_ref, [((transposed(x["ak_hi"]), transposed(x["ak_lo"])), (x_hi, x_lo))])
         return mc.read(acc_ref)
 
+    ready("qa_hi", "ak_hi", "ak_lo")
     update = pl.run_scoped(start_cotangent, mc.acc(K, BV))
-    return mc.wgmma_layout(mc.rows(x["gamma"], BV) * ds + scale * update)
+    done("qa_hi", "do", "ak_hi", "ak_lo")
+    ready("gamma")
+    ds_start = mc.wgmma_layout(mc.rows(x["gamma"], BV) * ds + scale * update)
+    done("gamma")
+    return ds_start
 
 
-def _reverse_body(*refs, nt, num_heads, scale, block_v):
-    """One warpgroup, CTA (j, bh), walking the chunks last to first. refs: the stored operands (`REVERSE_OPERANDS`,
-    (B, Tp, Hv, K) each), dO (B, Tp, Hv, V), T's and P's bf16 halves (B, Tp, Hv, C) each, beta (B*Hv, Tp), gamma
-    (B*Hv, nt*K), the final state's cotangent (B, Hv, K, V); then dL/d(initial state), the end-state cotangents and
-    dx's halves; then the scratch: dS's bf16 tile, the operand pair of du (then of -beta dx / scale) and dx's
-    pair."""
+def _reverse_body(*refs, nt, num_heads, scale, block_v, consumers):
+    """Walks the chunks last to first. refs: the stored operands (`REVERSE_OPERANDS`, (B, Tp, Hv, K) each), dO (B,
+    Tp, Hv, V), T's and P's bf16 halves (B, Tp, Hv, C) each, beta (B*Hv, Tp), gamma (B*Hv, nt*K), the final state's
+    cotangent (B, Hv, K, V); then dL/d(initial state), the end-state cotangents and dx's halves; then the scratch:
+    dS's bf16 tile, the operand pair of du (then of -beta dx / scale) and dx's pair (one set per consumer with a
+    producer). `consumers` None: one warpgroup per CTA (j, bh) under `emit_pipeline`; 1: the same CTA with a
+    producer warpgroup that releases each input as soon as the step has read it, as `_body_producer`; 2: one CTA
+    per value head, two consumers each with a V half (V = 2 BV), the key-side inputs loaded once for both."""
     n_in = len(REVERSE_OPERANDS)
     operands = refs[:n_in]
     do_ref, t_hi, t_lo, p_hi, p_lo, beta_ref, gamma_ref, dfinal_ref = refs[n_in:n_in + 8]
     dh0_ref, dends_ref, dx_hi_ref, dx_lo_ref = refs[n_in + 8:n_in + 12]
-    s_hi, x_pair, dx_pair = refs[n_in + 12:]
-    tiles = (s_hi, x_pair.at[0], x_pair.at[1], dx_pair.at[0], dx_pair.at[1])
+    scratch = refs[n_in + 12:]
     C, K = CHUNK, dfinal_ref.shape[2]
-    j = lax.axis_index("v_block")
     bh = lax.axis_index("head")
     b, h = bh // num_heads, bh % num_heads
-    cols = pl.ds(j * block_v, block_v)
+    if consumers:
+        scratch = [ref.at[lax.axis_index("wg")] for ref in scratch]
+    s_hi, x_pair, dx_pair = scratch
+    tiles = (s_hi, x_pair.at[0], x_pair.at[1], dx_pair.at[0], dx_pair.at[1])
+    cols, head_cols, own_do = _consumer_columns(consumers, block_v)
     gmem = {name: ref.at[b, :, h, :] for name, ref in zip(REVERSE_OPERANDS, operands)}
-    gmem.update(do=do_ref.at[b, :, h, cols], t_hi=t_hi.at[b, :, h, :], t_lo=t_lo.at[b, :, h, :],
+    gmem.update(do=do_ref.at[b, :, h, head_cols], t_hi=t_hi.at[b, :, h, :], t_lo=t_lo.at[b, :, h, :],
                 p_hi=p_hi.at[b, :, h, :], p_lo=p_lo.at[b, :, h, :], beta=beta_ref.at[bh], gamma=gamma_ref.at[bh])
+    names = REVERSE_INPUTS_BY_FIRST_USE if consumers else REVERSE_INPUTS
+    in_specs = _in_specs(names, K, (consumers or 1) * block_v, _swizzle(block_v), nt=nt)
 
-    def chunk(indices, *chunk_inputs):
-        (n,) = indices
-        *chunk_inputs, ds = chunk_inputs
+    def step(n, chunk_inputs, ds, **barriers):
         i = nt - 1 - n
+        x = dict(zip(names, chunk_inputs))
+        x["do"] = own_do(x["do"])
         out_tiles = (dends_ref.at[b, h, pl.ds(i * K, K), cols], dx_hi_ref.at[b, pl.ds(i * C, C), h, cols],
                      dx_lo_ref.at[b, pl.ds(i * C, C), h, cols])
-        return _reverse_step(tiles, dict(zip(REVERSE_INPUTS, chunk_inputs)), ds, out_tiles, scale=scale,
-                             block_v=block_v)
+        return _reverse_step(tiles, x, ds, out_tiles, scale=scale, block_v=block_v, **barriers)
 
-    ds0 = plgpu.load(dfinal_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
-    pipeline = plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=_in_specs(REVERSE_INPUTS, K, block_v, _swizzle(block_v),
-                                                                         nt=nt),
-                                   max_concurrent_steps=STAGES, init_carry=ds0)
-    dh0_ref.at[b, h, :, cols][...] = pipeline(*(gmem[name] for name in REVERSE_INPUTS))
-    plgpu.wait_smem_to_gmem(0)
+    def run(run_pipeline):
+        ds0 = plgpu.load(dfinal_ref.at[b, h, :, cols], layout=plgpu.Layout.WGMMA, optimized=False)
+        dh0_ref.at[b, h, :, cols][...] = run_pipeline(ds0)
+        plgpu.wait_smem_to_gmem(0)
+
+    if not consumers:
+        def chunk(indices, *chunk_inputs):
+            *chunk_inputs, ds = chunk_inputs
+            return step(indices[0], chunk_inputs, ds)
+
+        run(lambda ds0: plgpu.emit_pipeline(chunk, grid=(nt,), in_specs=in_specs, max_concurrent_steps=STAGES,
+                                            init_carry=ds0)(*(gmem[name] for name in names)))
+        return
+    m = len(names)
+
+    def chunk(indices, *args):
+        chunk_inputs, produced, consumed, ds = args[:m], args[m:2 * m], args[2 * m:3 * m], args[3 * m]
+        ready, done = _barrier_hooks(names, produced, consumed)
+        return step(indices[0], chunk_inputs, ds, ready=ready, done=done)
+
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        chunk, grid=(nt,), in_specs=in_specs, max_concurrent_steps=STAGES, memory_registers=PRODUCER_REGISTERS,
+        wg_axis="wg", num_compute_wgs=consumers, compute_context=run, manual_produced_barriers=True,
+        manual_consumed_barriers=True)
+    pipeline(*(gmem[name] for name in names))
 
 
-def reverse_pass(operands, beta, t, p, do, dfinal, *, scale, block_v=64, interpret=False):
+def reverse_pass(operands, beta, t, p, do, dfinal, *, scale, block_v=64, producer=False, shared_head=False,
+                 interpret=False):
     """`kda._reverse_pass` in Mosaic GPU: (dL/d(initial state) (B, Hv, K, V) fp32, every chunk's end-state cotangent
     (bf16, (B, Hv, nt*K, V)), dx's bf16 (hi, lo) halves ((B, Tp, Hv, V) each)). operands: the backward's stored
     operands for bf16 inputs with plain bf16 state products (`REVERSE_OPERANDS`, then gamma (B, Hv, nt*K)); T and P
@@ -412,21 +479,34 @@ def reverse_pass(operands, beta, t, p, do, dfinal, *, scale, block_v=64, interpr
     heads_major = lambda x: jnp.moveaxis(x, 2, 1).reshape(B * Hv, Tp)
     out_type = (jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), BF16),
                 *(jax.ShapeDtypeStruct((B, Tp, Hv, V), BF16),) * 2)
+    if shared_head and 2 * block_v != V:
+        raise ValueError(f"shared_head gives each consumer half of V: block_v must be {V // 2}, got {block_v}")
+    if shared_head and producer:
+        raise ValueError("shared_head and producer are two layouts: at most one of them")
+    consumers = 2 if shared_head else 1 if producer else None
     swizzle = _swizzle(block_v)
-    scratch = (mc.tiled((K, block_v), swizzle), mc.tiled((2, CHUNK, block_v), swizzle),
-               mc.tiled((2, CHUNK, block_v), swizzle))
-    kernel = mc.kernel(
-        functools.partial(_reverse_body, nt=nt, num_heads=Hv, scale=float(scale), block_v=block_v),
-        out_type=out_type, scratch_types=scratch, grid=(V // block_v, B * Hv), grid_names=("v_block", "head"),
-        compiler_params=plgpu.CompilerParams(), interpret=interpret,
-        kernel_name="kda_reverse_mosaic")
+    lead = (consumers,) if consumers else ()
+    scratch = (mc.tiled(lead + (K, block_v), swizzle), mc.tiled(lead + (2, CHUNK, block_v), swizzle),
+               mc.tiled(lead + (2, CHUNK, block_v), swizzle))
+    body = functools.partial(_reverse_body, nt=nt, num_heads=Hv, scale=float(scale), block_v=block_v,
+                             consumers=consumers)
+    common = dict(out_type=out_type, scratch_types=scratch, compiler_params=plgpu.CompilerParams(),
+                  interpret=interpret)
+    if shared_head:
+        kernel = mc.kernel(body, grid=(B * Hv,), grid_names=("head",), num_threads=3, thread_name="wg",
+                           kernel_name="kda_reverse_mosaic_shared_head", **common)
+    else:
+        threads = dict(num_threads=2, thread_name="wg") if producer else {}
+        kernel = mc.kernel(body, grid=(V // block_v, B * Hv), grid_names=("v_block", "head"),
+                           kernel_name="kda_reverse_mosaic_producer" if producer else "kda_reverse_mosaic",
+                           **threads, **common)
     dh0, dends, dx_hi, dx_lo = kernel(*tiles, do, *as_pair(t), *as_pair(p), heads_major(beta.astype(F32)),
                                       gamma.reshape(B * Hv, nt * K), dfinal)
     return dh0, dends, (dx_hi, dx_lo)
 
 
 def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", block_v=64, shared_head=False,
-                 with_states=False, interpret=False):
+                 producer=False, with_states=False, interpret=False):
     """(O, final state), and `with_states` every chunk's start state (bf16, (B, Hv, nt*K, V)) and u's bf16 (hi, lo)
     halves ((B, Tp, Hv, V) each), as `kda._forward_pass` returns them with stored operands.
 
@@ -434,8 +514,9 @@ def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", blo
     (`output_dots` "split") or hi alone ("bf16"), A (.) K hi, E (.) K (hi, lo), each (B, Tp, Hv, K) bf16, then gamma
     (B, Hv, nt*K) fp32. v (B, Tp, Hv, V) bf16; beta (B, Tp, Hv) fp32; T and P (B, Tp, Hv, C) each as its bf16
     (hi, lo) pair, as `kda._prepare` writes them for this pass (or fp32, split here); h0 (B, Hv, K, V) fp32. Tp a
-    multiple of 64. `shared_head`: one CTA per value head (`_body_shared_head`, V blocks of 64), else one warpgroup
-    per V block of `block_v` (`_body`; 16 columns at K = 256)."""
+    multiple of 64. `shared_head`: one CTA per value head (`_body_producer` with two consumers, V blocks of 64);
+    `producer`: one CTA per V block of `block_v` with a producer warpgroup (`_body_producer` with one consumer);
+    else one warpgroup per V block of `block_v` (`_body`; 16 columns at K = 256)."""
     *tiles, gamma = operands
     B, Tp, Hv, V = v.shape
     K = tiles[0].shape[-1]
@@ -443,6 +524,8 @@ def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", blo
                     output_dots=output_dots)
     if shared_head and 2 * block_v != V:
         raise ValueError(f"shared_head gives each consumer half of V: block_v must be {V // 2}, got {block_v}")
+    if shared_head and producer:
+        raise ValueError("shared_head and producer are two layouts: at most one of them")
     split_output = output_dots == "split"
     if len(tiles) != 4 + split_output:
         raise ValueError(f"output_dots={output_dots!r} reads {4 + split_output} operand tiles, got {len(tiles)}")
@@ -455,14 +538,20 @@ def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", blo
         out_type += (jax.ShapeDtypeStruct((B, Tp, Hv, V), BF16),) * 2
     body = dict(n_operands=len(tiles), with_states=with_states, nt=nt, num_heads=Hv, scale=float(scale),
                 split_output=split_output, block_v=block_v)
-    common = dict(out_type=out_type, scratch_types=_scratch(K, block_v, shared_head, v.dtype),
-                  interpret=interpret)
+    consumers = 2 if shared_head else 1 if producer else None
+    common = dict(out_type=out_type, scratch_types=_scratch(K, block_v, consumers, v.dtype), interpret=interpret)
+    # No reduction in the producer layouts' kernels crosses warps: the 2 KiB Mosaic GPU reserves for them would not
+    # fit beside the shared-head kernel's tiles.
+    specialized = dict(num_threads=consumers + 1 if consumers else None, thread_name="wg",
+                       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0))
     if shared_head:
         kernel = mc.kernel(
-            functools.partial(_body_shared_head, **body), grid=(B * Hv,), grid_names=("head",), num_threads=3,
-            thread_name="wg", kernel_name="kda_forward_mosaic_shared_head",
-            # No reduction in the kernel crosses warps: the 2 KiB Mosaic GPU reserves for them would not fit.
-            compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0), **common)
+            functools.partial(_body_producer, **body, consumers=2), grid=(B * Hv,), grid_names=("head",),
+            kernel_name="kda_forward_mosaic_shared_head", **specialized, **common)
+    elif producer:
+        kernel = mc.kernel(
+            functools.partial(_body_producer, **body, consumers=1), grid=(V // block_v, B * Hv),
+            grid_names=("v_block", "head"), kernel_name="kda_forward_mosaic_producer", **specialized, **common)
     else:
         kernel = mc.kernel(
             functools.partial(_body, **body), grid=(V // block_v, B * Hv), grid_names=("v_block", "head"),

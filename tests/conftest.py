@@ -24,6 +24,15 @@ CPU_ONLY = not any(os.path.exists(d) for d in _ACCELERATOR_DEVICES)
 if CPU_ONLY:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
+# XLA's CPU runtime runs parts of each program on an intra-op thread pool of one thread per core, or of PJRT_NPROC
+# threads, read when the CPU client is created. The Mosaic GPU interpreter runs each warpgroup of a CTA as its own
+# program, and a warpgroup blocked in a barrier wait holds the pool thread it runs on: on a 2-core machine the grid
+# loop's callback and one blocked warpgroup took both threads while the other warpgroup's program waited for one,
+# and a two-warpgroup kernel's interpreter tests hung (docs/kernels.md, "KDA: a producer warpgroup per state block").
+# Four threads leave one free (the callback and one per warpgroup; tests/kernels/test_mosaic_kda.py reads the count).
+if CPU_ONLY:
+    os.environ.setdefault("PJRT_NPROC", str(max(4, os.cpu_count() or 1)))
+
 import jax  # noqa: E402
 
 # Computations on the CPU run inline rather than dispatched asynchronously. The Pallas TPU interpreter runs its

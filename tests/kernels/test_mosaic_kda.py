@@ -60,23 +60,24 @@ VARIANTS = {
     "shared_heads": dict(mosaic_shared_head=True, mosaic_reverse_shared_head=True),
 }
 
-# Interpreting the producer layout (`kda.Config.mosaic_producer`) takes four cores. The Mosaic GPU interpreter runs
-# each warpgroup of a CTA as its own XLA CPU program; XLA's CPU runtime hands parts of such programs to its intra-op
-# thread pool (one thread per core), and a warpgroup blocked in a barrier wait holds the pool thread it runs on. On
-# a 2-core machine the grid loop's callback and the blocked warpgroup held both threads while the other warpgroup's
-# program waited for one: `bv32_producer`'s interpreter tests hung in 2 of 3 runs beside busy loops (2026-12-06; gdb:
-# both pool threads in Python callbacks, the other warpgroup's thread in `tsl::BlockUntilReady`) and passed run
-# alone. The shared-head layout's tests (three warpgroups) never hung, beside the busy loops either; why the two
-# differ was not found. Four threads leave one free (the callback and one per warpgroup). On a GPU the compiled layout
-# is tested whatever the core count (`test_gpu_*`).
-PRODUCER_INTERPRETABLE = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) >= 4
-needs_four_cores = pytest.mark.skipif(not PRODUCER_INTERPRETABLE,
-                                      reason="the interpreter can starve the producer layout below four cores")
+# Interpreting the producer layout (`kda.Config.mosaic_producer`) takes four threads in XLA's CPU intra-op pool. The
+# Mosaic GPU interpreter runs each warpgroup of a CTA as its own XLA CPU program; XLA's CPU runtime hands parts of
+# such programs to that pool (one thread per core unless PJRT_NPROC says otherwise), and a warpgroup blocked in a
+# barrier wait holds the pool thread it runs on. With two threads (a 2-core machine) the grid loop's callback and
+# the blocked warpgroup held both while the other warpgroup's program waited for one: `bv32_producer`'s interpreter
+# tests hung in 2 of 3 runs beside busy loops (2026-12-06; gdb: both pool threads in Python callbacks, the other
+# warpgroup's thread in `tsl::BlockUntilReady`); with PJRT_NPROC=4 beside the same loops, 4 of 4 passed. The
+# shared-head layout's tests (three warpgroups) never hung with two threads; why the two differ was not found.
+# Four threads leave one free (the callback and one per warpgroup); tests/conftest.py asks for them on a CPU.
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+PRODUCER_INTERPRETABLE = int(os.environ.get("PJRT_NPROC") or os.environ.get("NPROC") or _CORES) >= 4
+needs_four_threads = pytest.mark.skipif(not PRODUCER_INTERPRETABLE,
+                                        reason="below four pool threads the interpreter can starve the producer layout")
 
 
 def _interpreted(variants):
     """`variants` as parameters of an interpreter test: the producer layout's only where it cannot starve."""
-    return [pytest.param(name, marks=needs_four_cores) if VARIANTS[name].get("mosaic_producer") else name
+    return [pytest.param(name, marks=needs_four_threads) if VARIANTS[name].get("mosaic_producer") else name
             for name in variants]
 
 
@@ -404,8 +405,8 @@ def test_mosaic_config_takes_the_mosaic_pass_from_the_threshold(batch, value_hea
 
 def test_registered_function_matches_scan_in_interpreter(monkeypatch):
     """The dispatch's function on a KDA call above the threshold runs both Mosaic passes (interpreted here; with
-    few heads in state blocks of 32 columns, with the producer layout from four cores): the outputs and the
-    gradients against the scan."""
+    few heads in state blocks of 32 columns, with the producer layouts where `PRODUCER_INTERPRETABLE`): the outputs
+    and the gradients against the scan."""
     monkeypatch.setattr(kda, "MOSAIC_PASS_MIN_BATCH_HEADS_128", 2)
     monkeypatch.setattr(kda, "MOSAIC_PRODUCER_AT_128", PRODUCER_INTERPRETABLE)
     monkeypatch.setattr(kda, "MOSAIC_REVERSE_PRODUCER_AT_128", PRODUCER_INTERPRETABLE)

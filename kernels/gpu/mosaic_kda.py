@@ -461,6 +461,23 @@ def _reverse_body(*refs, nt, num_heads, scale, block_v, consumers):
     pipeline(*(gmem[name] for name in names))
 
 
+def _layout(*, shared_head, producer, block_v, batch_heads, value_dim, name):
+    """(consumers, `mc.kernel`'s grid arguments) of a pass's layout: one warpgroup per CTA (j, bh) (consumers None),
+    the same grid with a producer beside the consumer (`producer`, 1), or one CTA per value head with two consumers
+    (`shared_head`, 2; V = 2 BV)."""
+    if shared_head and 2 * block_v != value_dim:
+        raise ValueError(f"shared_head gives each consumer half of V: block_v must be {value_dim // 2}, got {block_v}")
+    if shared_head and producer:
+        raise ValueError("shared_head and producer are two layouts: at most one of them")
+    if shared_head:
+        return 2, dict(grid=(batch_heads,), grid_names=("head",), num_threads=3, thread_name="wg",
+                       kernel_name=f"{name}_shared_head")
+    grid = dict(grid=(value_dim // block_v, batch_heads), grid_names=("v_block", "head"))
+    if producer:
+        return 1, dict(grid, num_threads=2, thread_name="wg", kernel_name=f"{name}_producer")
+    return None, dict(grid, kernel_name=name)
+
+
 def reverse_pass(operands, beta, t, p, do, dfinal, *, scale, block_v=64, producer=False, shared_head=False,
                  interpret=False):
     """`kda._reverse_pass` in Mosaic GPU: (dL/d(initial state) (B, Hv, K, V) fp32, every chunk's end-state cotangent
@@ -479,27 +496,16 @@ def reverse_pass(operands, beta, t, p, do, dfinal, *, scale, block_v=64, produce
     heads_major = lambda x: jnp.moveaxis(x, 2, 1).reshape(B * Hv, Tp)
     out_type = (jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), BF16),
                 *(jax.ShapeDtypeStruct((B, Tp, Hv, V), BF16),) * 2)
-    if shared_head and 2 * block_v != V:
-        raise ValueError(f"shared_head gives each consumer half of V: block_v must be {V // 2}, got {block_v}")
-    if shared_head and producer:
-        raise ValueError("shared_head and producer are two layouts: at most one of them")
-    consumers = 2 if shared_head else 1 if producer else None
+    consumers, grid = _layout(shared_head=shared_head, producer=producer, block_v=block_v, batch_heads=B * Hv,
+                              value_dim=V, name="kda_reverse_mosaic")
     swizzle = _swizzle(block_v)
     lead = (consumers,) if consumers else ()
     scratch = (mc.tiled(lead + (K, block_v), swizzle), mc.tiled(lead + (2, CHUNK, block_v), swizzle),
                mc.tiled(lead + (2, CHUNK, block_v), swizzle))
     body = functools.partial(_reverse_body, nt=nt, num_heads=Hv, scale=float(scale), block_v=block_v,
                              consumers=consumers)
-    common = dict(out_type=out_type, scratch_types=scratch, compiler_params=plgpu.CompilerParams(),
-                  interpret=interpret)
-    if shared_head:
-        kernel = mc.kernel(body, grid=(B * Hv,), grid_names=("head",), num_threads=3, thread_name="wg",
-                           kernel_name="kda_reverse_mosaic_shared_head", **common)
-    else:
-        threads = dict(num_threads=2, thread_name="wg") if producer else {}
-        kernel = mc.kernel(body, grid=(V // block_v, B * Hv), grid_names=("v_block", "head"),
-                           kernel_name="kda_reverse_mosaic_producer" if producer else "kda_reverse_mosaic",
-                           **threads, **common)
+    kernel = mc.kernel(body, out_type=out_type, scratch_types=scratch, compiler_params=plgpu.CompilerParams(),
+                       interpret=interpret, **grid)
     dh0, dends, dx_hi, dx_lo = kernel(*tiles, do, *as_pair(t), *as_pair(p), heads_major(beta.astype(F32)),
                                       gamma.reshape(B * Hv, nt * K), dfinal)
     return dh0, dends, (dx_hi, dx_lo)
@@ -522,10 +528,8 @@ def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", blo
     K = tiles[0].shape[-1]
     check_supported(key_dim=K, value_dim=V, chunk_size=CHUNK, dtype=v.dtype, block_v=block_v,
                     output_dots=output_dots)
-    if shared_head and 2 * block_v != V:
-        raise ValueError(f"shared_head gives each consumer half of V: block_v must be {V // 2}, got {block_v}")
-    if shared_head and producer:
-        raise ValueError("shared_head and producer are two layouts: at most one of them")
+    consumers, grid = _layout(shared_head=shared_head, producer=producer, block_v=block_v, batch_heads=B * Hv,
+                              value_dim=V, name="kda_forward_mosaic")
     split_output = output_dots == "split"
     if len(tiles) != 4 + split_output:
         raise ValueError(f"output_dots={output_dots!r} reads {4 + split_output} operand tiles, got {len(tiles)}")
@@ -536,26 +540,14 @@ def forward_pass(operands, v, beta, t, p, h0, *, scale, output_dots="split", blo
     if with_states:
         out_type += (jax.ShapeDtypeStruct((B, Hv, nt * K, V), BF16),)
         out_type += (jax.ShapeDtypeStruct((B, Tp, Hv, V), BF16),) * 2
-    body = dict(n_operands=len(tiles), with_states=with_states, nt=nt, num_heads=Hv, scale=float(scale),
-                split_output=split_output, block_v=block_v)
-    consumers = 2 if shared_head else 1 if producer else None
-    common = dict(out_type=out_type, scratch_types=_scratch(K, block_v, consumers, v.dtype), interpret=interpret)
+    layout = functools.partial(_body_producer, consumers=consumers) if consumers else _body
+    body = functools.partial(layout, n_operands=len(tiles), with_states=with_states, nt=nt, num_heads=Hv,
+                             scale=float(scale), split_output=split_output, block_v=block_v)
     # No reduction in the producer layouts' kernels crosses warps: the 2 KiB Mosaic GPU reserves for them would not
     # fit beside the shared-head kernel's tiles.
-    specialized = dict(num_threads=consumers + 1 if consumers else None, thread_name="wg",
-                       compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0))
-    if shared_head:
-        kernel = mc.kernel(
-            functools.partial(_body_producer, **body, consumers=2), grid=(B * Hv,), grid_names=("head",),
-            kernel_name="kda_forward_mosaic_shared_head", **specialized, **common)
-    elif producer:
-        kernel = mc.kernel(
-            functools.partial(_body_producer, **body, consumers=1), grid=(V // block_v, B * Hv),
-            grid_names=("v_block", "head"), kernel_name="kda_forward_mosaic_producer", **specialized, **common)
-    else:
-        kernel = mc.kernel(
-            functools.partial(_body, **body), grid=(V // block_v, B * Hv), grid_names=("v_block", "head"),
-            kernel_name="kda_forward_mosaic", compiler_params=plgpu.CompilerParams(), **common)
+    compiler_params = plgpu.CompilerParams(reduction_scratch_bytes=0) if consumers else plgpu.CompilerParams()
+    kernel = mc.kernel(body, out_type=out_type, scratch_types=_scratch(K, block_v, consumers, v.dtype),
+                       compiler_params=compiler_params, interpret=interpret, **grid)
     final, o, *saved = kernel(*tiles, v, *as_pair(t), *as_pair(p), heads_major(beta.astype(F32)),
                               gamma.reshape(B * Hv, nt * K), h0)
     if with_states:

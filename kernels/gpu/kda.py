@@ -2077,11 +2077,12 @@ MOSAIC_NARROW_BLOCK_V = 32
 # time, ms, forward / forward+backward; without, with the forward's, with both): 1x32768x16x128 3.443 / 9.088,
 # 3.048 / 8.730, 3.057 / 8.490; 2x8192x16x128 1.330 / 3.819, 1.188 / 3.685, 1.186 / 3.578; 4x4096x16x128 1.226 /
 # 3.534, 1.062 / 3.521, 1.057 / 3.499 (docs/benchmarks.md). At 128 heads the reverse pass's producer (V blocks of 64)
-# gave 3.731 against 3.727, so the shared-head configuration keeps `emit_pipeline`'s reverse pass. The forward's
-# producer passed its compiled tests; the reverse pass's has passed in the interpreter and lowered, not yet compiled
-# on a GPU, so it stays opt-in (MOSAIC_REVERSE_PRODUCER_AT_128) until its compiled tests have run.
+# gave 3.731 against 3.727, so the shared-head configuration keeps `emit_pipeline`'s reverse pass; so does its
+# reverse pass with one CTA per head (`Config.mosaic_reverse_shared_head`: 3.727 against 3.692, H100, 2026-12-06
+# 18:06). Both producers passed their compiled tests (the reverse pass's on 2026-12-06 18:05: 1x32768x16x128
+# forward+backward again 8.686 -> 8.498).
 MOSAIC_PRODUCER_AT_128 = True
-MOSAIC_REVERSE_PRODUCER_AT_128 = False
+MOSAIC_REVERSE_PRODUCER_AT_128 = True
 # From this many batch x value-head pairs the Mosaic forward pass runs one CTA per value head (a producer and two
 # consumer warpgroups, `Config.mosaic_shared_head`), which reads the chunk's key-side operands once for both V
 # halves. Measured on an H200 (2026-12-03, 8x2048x16x128 bf16, `mosaic_config` with and without it, marginal device

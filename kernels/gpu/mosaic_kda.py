@@ -25,11 +25,12 @@ so one stage (two would ask 314 KiB). `_body_producer` (its docstring): a produc
 input as soon as it is read, and either two consumer warpgroups in one CTA per value head (`shared_head`, V = 2
 BV) or one in a CTA per state block (`producer`, `_body`'s grid). The reverse pass (`_reverse_body`) walks the
 chunks last to first in `_body`'s grid, with `emit_pipeline` or (`producer`) the same producer warpgroup, or in
-one CTA per value head with two consumers (`shared_head`; untimed). With one
+one CTA per value head with two consumers (`shared_head`; opt-in: 3.727 against 3.692 ms forward+backward at
+8x2048x16x128 on the H100, 2026-12-06). With one
 stage, the producer fetches the next chunk's first inputs while this chunk's last products run, where
 `emit_pipeline` waits for the whole step: H100, 2026-12-06, 16 to 64 value heads at K = V = 128, the forward 11-13%
-faster, forward+backward 1-7% with both passes' producers (`kda.MOSAIC_PRODUCER_AT_128`, the reverse's opt-in until
-compiled: `kda.MOSAIC_REVERSE_PRODUCER_AT_128`). Supported: K of 64, 128 or 256 (at 256 state blocks of
+faster, forward+backward 1-7% with both passes' producers (`kda.MOSAIC_PRODUCER_AT_128`,
+`kda.MOSAIC_REVERSE_PRODUCER_AT_128`). Supported: K of 64, 128 or 256 (at 256 state blocks of
 16 columns and the one-warpgroup layout; opt-in, `DISPATCH_KEY_DIMS`), V of 64, 128 or 256, C = 64, bf16 inputs
 (`check_supported`).
 """

@@ -48,12 +48,14 @@ def _bf16_case(x):
     return x
 
 
-# The kernel variants: one warpgroup per V block of 64 or 32 columns, or one CTA per head (two consumers and a
-# producer), with the output's state product "split" (the default) or plain bf16.
+# The kernel variants: one warpgroup per V block of 64 or 32 columns (with a producer warpgroup beside it in both
+# passes, or `emit_pipeline`), or one CTA per head (two consumers and a producer), with the output's state product
+# "split" (the default) or plain bf16.
 VARIANTS = {
     "bv64": dict(mosaic_block_v=64),
     "bv32": dict(mosaic_block_v=32),
     "bv32_producer": dict(mosaic_block_v=32, mosaic_producer=True, mosaic_reverse_producer=True),
+    "bv64_producer": dict(mosaic_block_v=64, mosaic_producer=True, mosaic_reverse_producer=True),
     "shared_head": dict(mosaic_shared_head=True),
     "bv64_output_bf16": dict(mosaic_block_v=64, output_dots="bf16"),
     "shared_head_output_bf16": dict(mosaic_shared_head=True, output_dots="bf16"),
@@ -510,6 +512,7 @@ GPU_CASES = [
     (3, False, True, (2, 2), "bv32"),
     (257, True, True, (1, 2), "bv32"),
     (257, True, True, (1, 2), "bv32_producer"),
+    (1000, True, True, (2, 4), "bv64_producer"),
     (300, False, False, (2, 2), "bv64_output_bf16"),
     (300, False, False, (2, 2), "shared_head_output_bf16"),
 ]
@@ -548,7 +551,7 @@ def test_gpu_wide_keys_match_scan(family, V):
 
 
 @gpu_only
-@pytest.mark.parametrize("variant", ["bv64", "bv32", "bv32_producer", "shared_head", "shared_heads"])
+@pytest.mark.parametrize("variant", ["bv64", "bv32", "bv32_producer", "bv64_producer", "shared_head", "shared_heads"])
 @pytest.mark.parametrize("family", [None, *ADVERSARIAL])
 def test_gpu_mosaic_reverse_pass_matches_scan(family, variant):
     """Both passes in Mosaic GPU, compiled: every gradient against the scan at the bf16 bounds."""
@@ -560,7 +563,7 @@ def test_gpu_mosaic_reverse_pass_matches_scan(family, variant):
 
 @gpu_only
 @pytest.mark.parametrize("family", ADVERSARIAL)
-@pytest.mark.parametrize("variant", ["bv64", "bv32", "bv32_producer", "shared_head"])
+@pytest.mark.parametrize("variant", ["bv64", "bv32", "bv32_producer", "bv64_producer", "shared_head"])
 def test_gpu_adversarial(family, variant):
     """As `test_adversarial_in_interpreter`, compiled, with the gradients against the scan too."""
     x = _bf16_case(_adversarial(family, B=2, T=500, H=2, Hv=4, K=D, V=D))

@@ -2071,23 +2071,24 @@ MOSAIC_PASS_MIN_BATCH_HEADS = 64
 # (docs/benchmarks.md). Fewer heads and the other head dims were not timed; they keep MOSAIC_PASS_MIN_BATCH_HEADS.
 MOSAIC_PASS_MIN_BATCH_HEADS_128 = 16
 MOSAIC_NARROW_BLOCK_V = 32
-# At K = V = 128 below MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS both Mosaic passes run a producer warpgroup beside each
-# state block's warpgroup, which releases every input as soon as the chunk has read it (`Config.mosaic_producer`,
-# `Config.mosaic_reverse_producer`): H100, 2026-12-06, `bench_rules.py --rule=kda --impls=mosaic` (marginal device
-# time, ms, forward / forward+backward; without, with the forward's, with both): 1x32768x16x128 3.443 / 9.088,
-# 3.048 / 8.730, 3.057 / 8.490; 2x8192x16x128 1.330 / 3.819, 1.188 / 3.685, 1.186 / 3.578; 4x4096x16x128 1.226 /
-# 3.534, 1.062 / 3.521, 1.057 / 3.499 (docs/benchmarks.md). At 128 heads the reverse pass's producer (V blocks of 64)
-# gave 3.731 against 3.727, so the shared-head configuration keeps `emit_pipeline`'s reverse pass; so does its
-# reverse pass with one CTA per head (`Config.mosaic_reverse_shared_head`: 3.727 against 3.692, H100, 2026-12-06
-# 18:06). Both producers passed their compiled tests (the reverse pass's on 2026-12-06 18:05: 1x32768x16x128
-# forward+backward again 8.686 -> 8.498).
+# At K = V = 128 both Mosaic passes run a producer warpgroup beside each state block's warpgroup, which releases
+# every input as soon as the chunk has read it (`Config.mosaic_producer`, `Config.mosaic_reverse_producer`): H100,
+# 2026-12-06, `bench_rules.py --rule=kda --impls=mosaic` (marginal device time, ms, forward / forward+backward;
+# without, with the forward's, with both): 1x32768x16x128 3.443 / 9.088, 3.048 / 8.730, 3.057 / 8.490; 2x8192x16x128
+# 1.330 / 3.819, 1.188 / 3.685, 1.186 / 3.578; 4x4096x16x128 1.226 / 3.534, 1.062 / 3.521, 1.057 / 3.499
+# (docs/benchmarks.md). At 128 heads too, in state blocks of 64 (two runs each, interleaved in one call, 18:35):
+# 1.184 / 3.665, 1.185 / 3.670 against 1.197 / 3.725, 1.201 / 3.728 with one CTA per head in the forward
+# (`Config.mosaic_shared_head`) and `emit_pipeline` in the reverse pass; blocks of 32 there (four waves) gave
+# 1.512 / 4.342. So at K = V = 128 no call takes the shared head. The reverse pass with one CTA per head
+# (`Config.mosaic_reverse_shared_head`) gave 3.727 against 3.692 (18:06) and stays a knob.
 MOSAIC_PRODUCER_AT_128 = True
 MOSAIC_REVERSE_PRODUCER_AT_128 = True
 # From this many batch x value-head pairs the Mosaic forward pass runs one CTA per value head (a producer and two
-# consumer warpgroups, `Config.mosaic_shared_head`), which reads the chunk's key-side operands once for both V
-# halves. Measured on an H200 (2026-12-03, 8x2048x16x128 bf16, `mosaic_config` with and without it, marginal device
-# time): forward 1.046 against 1.155 ms, forward+backward 3.527 against 3.610, the same outputs bit for bit. Not
-# timed below 128 heads, where one CTA per head leaves SMs idle.
+# consumer warpgroups, `Config.mosaic_shared_head`) where V is two state blocks and the producer layout above does
+# not apply (K = V = 64 has one block per head, so in practice: K = 64 with V = 128), reading the chunk's key-side
+# operands once for both V halves. Measured at K = V = 128 on an H200 (2026-12-03, 8x2048x16x128 bf16, against
+# `emit_pipeline` per state block, marginal device time): forward 1.046 against 1.155 ms, forward+backward 3.527
+# against 3.610, the same outputs bit for bit. Not timed below 128 heads, where one CTA per head leaves SMs idle.
 MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS = 128
 
 
@@ -2096,7 +2097,7 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
     (`mosaic_kda.check_supported`: bf16, K of 64 or 128, V of 64, 128 or 256, chunk 64) and the call has at least
     `MOSAIC_PASS_MIN_BATCH_HEADS` value heads (`MOSAIC_PASS_MIN_BATCH_HEADS_128` at K = V = 128, there in state
     blocks of `MOSAIC_NARROW_BLOCK_V` columns while V / 32 CTAs per head fit one wave, and with a producer warpgroup
-    per state block (`MOSAIC_PRODUCER_AT_128`, `MOSAIC_REVERSE_PRODUCER_AT_128`); from
+    per state block, `MOSAIC_PRODUCER_AT_128`, `MOSAIC_REVERSE_PRODUCER_AT_128`; at other head dims from
     `MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS` with one CTA per value head in the forward pass); the Triton kernels
     otherwise. The config of the dispatch's "mosaic" implementation for KDA."""
     cfg = default_config(q, v, scale=scale, chunk_size=chunk_size, segmented=segmented, interpret=interpret)
@@ -2111,13 +2112,13 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
     timed_narrow = q.shape[3] == V == 128
     if batch_heads < (MOSAIC_PASS_MIN_BATCH_HEADS_128 if timed_narrow else MOSAIC_PASS_MIN_BATCH_HEADS):
         return cfg
-    shared_head = batch_heads >= MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS and 2 * cfg.mosaic_block_v == V
+    shared_head = (not timed_narrow and batch_heads >= MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS
+                   and 2 * cfg.mosaic_block_v == V)
     one_wave_narrow = one_program_per_sm_block_v(batch_heads, V, MOSAIC_NARROW_BLOCK_V) == MOSAIC_NARROW_BLOCK_V
-    block_v = MOSAIC_NARROW_BLOCK_V if timed_narrow and not shared_head and one_wave_narrow else cfg.mosaic_block_v
-    few_heads_128 = timed_narrow and not shared_head
+    block_v = MOSAIC_NARROW_BLOCK_V if timed_narrow and one_wave_narrow else cfg.mosaic_block_v
     return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic", mosaic_shared_head=shared_head,
-                               mosaic_block_v=block_v, mosaic_producer=MOSAIC_PRODUCER_AT_128 and few_heads_128,
-                               mosaic_reverse_producer=MOSAIC_REVERSE_PRODUCER_AT_128 and few_heads_128)
+                               mosaic_block_v=block_v, mosaic_producer=MOSAIC_PRODUCER_AT_128 and timed_narrow,
+                               mosaic_reverse_producer=MOSAIC_REVERSE_PRODUCER_AT_128 and timed_narrow)
 
 
 def compiles_for(key_dim, value_dim, dtype):

@@ -378,13 +378,14 @@ def test_dispatch_takes_kda_to_mosaic_on_hopper(monkeypatch):
 
 
 @pytest.mark.parametrize("batch,value_heads,dtype,K,V,expected,shared_head,block_v", [
-    (8, 16, jnp.bfloat16, D, D, "mosaic", True, 64),  # 128 heads: one CTA per head
+    (8, 16, jnp.bfloat16, D, D, "mosaic", False, 64),  # 128 heads: the producer layout, not one CTA per head
     (4, 16, jnp.bfloat16, D, D, "mosaic", False, 64),  # 64 heads: 256 CTAs of 32 columns would be two waves
     (2, 16, jnp.bfloat16, D, D, "mosaic", False, 32),  # 32 heads: state blocks of 32, 128 CTAs
     (1, 16, jnp.bfloat16, D, D, "mosaic", False, 32),  # 16 heads: the threshold at K = V = 128
     (1, 8, jnp.bfloat16, D, D, "triton", False, 64),
     (8, 16, jnp.float32, D, D, "triton", False, 64),
     (8, 16, jnp.bfloat16, 64, 64, "mosaic", False, 64),  # K = V = 64: V blocks of 64, no shared head
+    (8, 16, jnp.bfloat16, 64, D, "mosaic", True, 64),  # K = 64, V = 128 from 128 heads: one CTA per head
     (2, 16, jnp.bfloat16, 64, 64, "triton", False, 64),  # other head dims: from 64 heads (not timed below)
     (8, 16, jnp.bfloat16, D, 256, "mosaic", False, 64),  # V = 256: four V blocks of 64 per head
     (2, 16, jnp.bfloat16, D, 256, "triton", False, 64),
@@ -397,10 +398,10 @@ def test_mosaic_config_takes_the_mosaic_pass_from_the_threshold(batch, value_hea
     cfg = kda.mosaic_config(q, v, scale=0.1, chunk_size=64, segmented=False, interpret=False)
     assert cfg.pass_backend == expected and cfg.reverse_backend == expected
     assert cfg.mosaic_shared_head == shared_head and cfg.mosaic_block_v == block_v
-    # the producer layout where it was timed: K = V = 128 without the shared head
-    few_heads_128 = expected == "mosaic" and K == V == D and not shared_head
-    assert cfg.mosaic_producer == few_heads_128 and kda.MOSAIC_PRODUCER_AT_128
-    assert cfg.mosaic_reverse_producer == (few_heads_128 and kda.MOSAIC_REVERSE_PRODUCER_AT_128)
+    # the producer layout where it was timed: K = V = 128, at every head count the Mosaic passes take
+    producer_128 = expected == "mosaic" and K == V == D
+    assert cfg.mosaic_producer == producer_128 and kda.MOSAIC_PRODUCER_AT_128
+    assert cfg.mosaic_reverse_producer == (producer_128 and kda.MOSAIC_REVERSE_PRODUCER_AT_128)
     assert kda.MOSAIC_PASS_MIN_BATCH_HEADS == 64 and kda.MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS == 128
     assert kda.MOSAIC_PASS_MIN_BATCH_HEADS_128 == 16 and kda.MOSAIC_NARROW_BLOCK_V == 32
 

@@ -2084,11 +2084,11 @@ MOSAIC_NARROW_BLOCK_V = 32
 MOSAIC_PRODUCER_AT_128 = True
 MOSAIC_REVERSE_PRODUCER_AT_128 = True
 # From this many batch x value-head pairs the Mosaic forward pass runs one CTA per value head (a producer and two
-# consumer warpgroups, `Config.mosaic_shared_head`) where V is two state blocks and the producer layout above does
-# not apply (K = V = 64 has one block per head, so in practice: K = 64 with V = 128), reading the chunk's key-side
-# operands once for both V halves. Measured at K = V = 128 on an H200 (2026-12-03, 8x2048x16x128 bf16, against
-# `emit_pipeline` per state block, marginal device time): forward 1.046 against 1.155 ms, forward+backward 3.527
-# against 3.610, the same outputs bit for bit. Not timed below 128 heads, where one CTA per head leaves SMs idle.
+# consumer warpgroups, `Config.mosaic_shared_head`) where V is two state blocks of 64 outside K = V = 128 (so at
+# K = 64, V = 128), reading the chunk's key-side operands once for both V halves. Measured at K = V = 128 on an
+# H200 (2026-12-03, 8x2048x16x128 bf16, against `emit_pipeline` per state block, marginal device time): forward
+# 1.046 against 1.155 ms, forward+backward 3.527 against 3.610, the same outputs bit for bit. Not timed below 128
+# heads, where one CTA per head leaves SMs idle.
 MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS = 128
 
 
@@ -2109,16 +2109,15 @@ def mosaic_config(q, v, *, scale, chunk_size, segmented, interpret):
     except ValueError:
         return cfg
     batch_heads, V = q.shape[0] * v.shape[2], v.shape[3]
-    timed_narrow = q.shape[3] == V == 128
-    if batch_heads < (MOSAIC_PASS_MIN_BATCH_HEADS_128 if timed_narrow else MOSAIC_PASS_MIN_BATCH_HEADS):
+    dims_128 = q.shape[3] == V == 128  # the head dims whose thresholds, blocks and layouts were timed
+    if batch_heads < (MOSAIC_PASS_MIN_BATCH_HEADS_128 if dims_128 else MOSAIC_PASS_MIN_BATCH_HEADS):
         return cfg
-    shared_head = (not timed_narrow and batch_heads >= MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS
-                   and 2 * cfg.mosaic_block_v == V)
+    shared_head = not dims_128 and batch_heads >= MOSAIC_SHARED_HEAD_MIN_BATCH_HEADS and 2 * cfg.mosaic_block_v == V
     one_wave_narrow = one_program_per_sm_block_v(batch_heads, V, MOSAIC_NARROW_BLOCK_V) == MOSAIC_NARROW_BLOCK_V
-    block_v = MOSAIC_NARROW_BLOCK_V if timed_narrow and one_wave_narrow else cfg.mosaic_block_v
+    block_v = MOSAIC_NARROW_BLOCK_V if dims_128 and one_wave_narrow else cfg.mosaic_block_v
     return dataclasses.replace(cfg, pass_backend="mosaic", reverse_backend="mosaic", mosaic_shared_head=shared_head,
-                               mosaic_block_v=block_v, mosaic_producer=MOSAIC_PRODUCER_AT_128 and timed_narrow,
-                               mosaic_reverse_producer=MOSAIC_REVERSE_PRODUCER_AT_128 and timed_narrow)
+                               mosaic_block_v=block_v, mosaic_producer=MOSAIC_PRODUCER_AT_128 and dims_128,
+                               mosaic_reverse_producer=MOSAIC_REVERSE_PRODUCER_AT_128 and dims_128)
 
 
 def compiles_for(key_dim, value_dim, dtype):

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from deltajax.nn import PRESETS, LanguageModel, count_parameters, generate
-from nn_helpers import FP32_TOL, fresh_key, random_tokens, relative_error, tiny_config
+from nn_helpers import fresh_key, model_tolerance, random_tokens, relative_error, tiny_config
 
 
 def test_preset_bf16_shapes_dtypes_and_finite_gradients():
@@ -49,8 +49,9 @@ def test_packed_documents_do_not_leak():
     segments_first = jnp.asarray([[3] * a + [4] * b], jnp.int32)
     segments_second = jnp.asarray([[7] * b + [2] * a], jnp.int32)
     forward = nnx.jit(lambda m, t, s: m(t, s))
-    logits = forward(model, jnp.concatenate([first, second]), jnp.concatenate([segments_first, segments_second]))
-    assert relative_error(logits[0, a:], logits[1, :b]) <= FP32_TOL
+    tokens, segment_ids = jnp.concatenate([first, second]), jnp.concatenate([segments_first, segments_second])
+    logits = forward(model, tokens, segment_ids)
+    assert relative_error(logits[0, a:], logits[1, :b]) <= model_tolerance(model, tokens, segment_ids)
     # without segment ids the same row does see the other document
     unsegmented = forward(model, first, jnp.zeros_like(segments_first))
     assert relative_error(unsegmented[0, a:], logits[1, :b]) > 1e-3

@@ -41,7 +41,7 @@ if want tests; then
     -rA --tb=short ${PYTEST_EXTRA:-} 2>&1 | tee "$OUT/pytest.log" | grep -E "PASS|FAIL|Error|error|assert|passed|failed"
 fi
 if want kda_tests; then
-  timeout ${KDA_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider $PARALLEL tests/kernels/test_gpu_kda.py -k "${KDA_TESTS:-gpu_bf16 or gpu_fp32 or gpu_adversarial or gpu_dispatch}" \
+  timeout ${KDA_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider $PARALLEL tests/kernels/test_gpu_kda.py -k "${KDA_TESTS:-gpu_bf16 or gpu_fp32 or gpu_adversarial or gpu_dispatch or compiled}" \
     -rA --tb=short 2>&1 | tee "$OUT/pytest_kda.log" | grep -E "PASS|FAIL|Error|error|assert|passed|failed"
 fi
 if want bench; then
@@ -82,8 +82,8 @@ if [[ ",$MODE," == *",bytes,"* ]]; then
   out=$(cd "$OUT" && pwd)
   SPILL_METRICS=launch__registers_per_thread,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum
   SPILL_METRICS+=,l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum
-  for rule in gated_deltanet kda; do
-    if [[ $rule == kda ]]; then profile="profile_kda_gpu.py --variant=mosaic_shared_head_reverse"
+  for rule in ${BYTES_RULES:-gated_deltanet kda}; do
+    if [[ $rule == kda ]]; then profile="profile_kda_gpu.py --config=mosaic"
     else profile="profile_mosaic_gpu.py --backward"; fi
     profile_with() {  # metrics, CSV name
       (cd experiments && timeout ${BYTES_TIMEOUT:-250} ncu --clock-control none --csv --metrics "$1" python3 $profile \

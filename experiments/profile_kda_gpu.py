@@ -1,4 +1,4 @@
-"""Runs the KDA Triton kernels a fixed number of times, for a profiler (Nsight Compute) to capture.
+"""Runs the KDA kernels a fixed number of times, for a profiler (Nsight Compute) to capture.
 
     ncu --kernel-name regex:kda --launch-skip 7 --launch-count 7 --metrics launch__registers_per_thread,\
 gpu__time_duration.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum python3 experiments/profile_kda_gpu.py \
@@ -7,8 +7,9 @@ gpu__time_duration.sum,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum python3 exp
 Each call runs the forward alone and then forward+backward, so skipping the first call's launches profiles a warm
 second call: 7 launches per call with "inline" operands (prepare and forward pass; then prepare, forward pass,
 reverse pass, the two gradient kernels), 10 with "stored" ones (the operand kernel before each pass group).
-`--variant` applies a variant of `bench_kda_gpu.py`. (On 2026-11-25 this ran under ncu with the "previous"
-kernels; with the stored operands, skipping 10, ncu ended in a segmentation fault, not investigated.)
+`--variant` applies a variant of `bench_kda_gpu.py` to `--config`, the Triton kernels' default or the dispatch's
+"mosaic" config. (On 2026-11-25 this ran under ncu with the "previous" kernels; with the stored operands, skipping
+10, ncu ended in a segmentation fault, not investigated.)
 """
 
 from __future__ import annotations
@@ -25,13 +26,17 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("size", "8x2048x16x128", "BxTxHxD (K = V = D, Hv = H).")
 flags.DEFINE_integer("calls", 2, "Calls of the forward and of forward+backward.")
 flags.DEFINE_string("variant", "default", "A name from bench_kda_gpu.VARIANTS.")
+flags.DEFINE_enum("config", "default", ["default", "mosaic"],
+                  "The config the variant changes: `kda.default_config` (the Triton kernels) or `kda.mosaic_config` "
+                  "(the dispatch's \"mosaic\" implementation at this size).")
 
 
 def main(argv):
     del argv
     B, T, H, D = (int(x) for x in FLAGS.size.split("x"))
     q, k, v, beta, log_decay = inputs(B, T, H, D)
-    cfg = kda.default_config(q, v, scale=D ** -0.5, chunk_size=64, segmented=False, interpret=False)
+    make_config = kda.mosaic_config if FLAGS.config == "mosaic" else kda.default_config
+    cfg = make_config(q, v, scale=D ** -0.5, chunk_size=64, segmented=False, interpret=False)
     cfg = dataclasses.replace(cfg, **VARIANTS[FLAGS.variant])
     run = lambda *a: kda.kda_chunk(*a, scale=D ** -0.5, initial_state=None, segment_ids=None, config=cfg)
     timing.run_for_profiler(run, (q, k, v, beta, log_decay), FLAGS.calls)

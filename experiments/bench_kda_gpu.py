@@ -3,8 +3,8 @@
     python experiments/bench_kda_gpu.py --sizes=8x2048x16x128 --variants=default,rows,bv128
     python experiments/bench_kda_gpu.py --interpret --sizes=1x128x2x32 --iters=1   # CPU smoke run
 
-Each variant overrides fields of `kda.default_config` (see VARIANTS; bf16 inputs, Hv = H, K = D, V = D or
---value_dim, chunk 64).
+Each variant overrides fields of `kda.default_config`, or with `--config=mosaic` of `kda.mosaic_config` (see
+VARIANTS; bf16 inputs, Hv = H, K = D, V = D or --value_dim, chunk 64).
 Columns: the XLA glue before the kernels (compensated cumsum), the prepare kernel (P, T), the forward pass without
 and with the saved chunk states, the reverse pass, the two gradient kernels, then forward and forward+backward through
 `kda_chunk` (medians of --iters runs, block_until_ready), and optionally the relative errors against the fp32 scan
@@ -28,6 +28,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = D, V = D or --value_dim, Hv = H).")
 flags.DEFINE_integer("value_dim", 0, "V apart from D (0: V = D), in --sizes and --error_size.")
 flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
+flags.DEFINE_enum("config", "default", ["default", "mosaic"],
+                  "The config the variants change: `kda.default_config` (the Triton kernels) or `kda.mosaic_config` "
+                  "(the dispatch's \"mosaic\" implementation at each size).")
 flags.DEFINE_integer("iters", 20, "Timed runs (median reported).")
 flags.DEFINE_bool("per_kernel", True, "Also time each kernel alone.")
 flags.DEFINE_string("error_size", "", "BxTxHxD where each variant's error against the fp32 scan (on the same "
@@ -106,6 +109,8 @@ VARIANTS = {
     "mosaic_reverse_operands_formed": dict(pass_backend="mosaic", reverse_backend="mosaic",
                                            backward_operands="formed"),
     "mosaic_grads": dict(grads_backend="mosaic"),
+    # the undifferentiated forward's gates, operands, T and P from one kernel (`kda.Config.gates_in_prepare`)
+    "gates_in_prepare": dict(gates_in_prepare=True),
     "mosaic_reverse_grads": dict(pass_backend="mosaic", reverse_backend="mosaic", grads_backend="mosaic"),
     "split_forward_obv32": dict(forward="split", output_block_v=32),
     "split_forward_obv128": dict(forward="split", output_block_v=128),
@@ -179,7 +184,9 @@ def inputs(B, T, H, D, seed=0):
 
 
 def make_config(name, q, v, D):
-    cfg = kda.default_config(q, v, scale=D ** -0.5, chunk_size=64, segmented=False, interpret=FLAGS.interpret)
+    """`--config`'s config of these inputs with the variant's fields."""
+    make = kda.mosaic_config if FLAGS.config == "mosaic" else kda.default_config
+    cfg = make(q, v, scale=D ** -0.5, chunk_size=64, segmented=False, interpret=FLAGS.interpret)
     return dataclasses.replace(cfg, **VARIANTS[name])
 
 

@@ -14,30 +14,23 @@ reverse pass, the two gradient kernels), 10 with "stored" ones (the operand kern
 
 from __future__ import annotations
 
-import dataclasses
-
 from absl import app, flags
 
 from deltajax.kernels.gpu import kda
-from bench_kda_gpu import VARIANTS, inputs  # experiments/
+from bench_kda_gpu import inputs, make_config  # experiments/
 import _timing as timing  # experiments/
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("size", "8x2048x16x128", "BxTxHxD (K = V = D, Hv = H).")
 flags.DEFINE_integer("calls", 2, "Calls of the forward and of forward+backward.")
 flags.DEFINE_string("variant", "default", "A name from bench_kda_gpu.VARIANTS.")
-flags.DEFINE_enum("config", "default", ["default", "mosaic"],
-                  "The config the variant changes: `kda.default_config` (the Triton kernels) or `kda.mosaic_config` "
-                  "(the dispatch's \"mosaic\" implementation at this size).")
 
 
 def main(argv):
     del argv
     B, T, H, D = (int(x) for x in FLAGS.size.split("x"))
     q, k, v, beta, log_decay = inputs(B, T, H, D)
-    make_config = kda.mosaic_config if FLAGS.config == "mosaic" else kda.default_config
-    cfg = make_config(q, v, scale=D ** -0.5, chunk_size=64, segmented=False, interpret=False)
-    cfg = dataclasses.replace(cfg, **VARIANTS[FLAGS.variant])
+    cfg = make_config(FLAGS.variant, q, v, D)  # `--config` (bench_kda_gpu.py's flag)
     run = lambda *a: kda.kda_chunk(*a, scale=D ** -0.5, initial_state=None, segment_ids=None, config=cfg)
     timing.run_for_profiler(run, (q, k, v, beta, log_decay), FLAGS.calls)
     print("done", FLAGS.size, FLAGS.variant, cfg)

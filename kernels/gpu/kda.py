@@ -239,6 +239,11 @@ class Config:
     fused_grad_block_v: int = 32  # BV of the same loop when the kernel also forms the pair terms (`fused_pair_grads`)
     grid_order: str = "chunks"  # launch order of the chunk-parallel kernels (`common.GRID_ORDERS`)
     cumsum: str = "xla"  # CUMSUM_METHODS
+    # The gates, stored operands, P and T (and under differentiation G and R) from one kernel per chunk
+    # (`_gates_prepare_kernel`) instead of `_gates_kernel` and prepare, so that G (hi and lo, fp32) is not read back
+    # (nor, undifferentiated, written) and q, k are read once; calls with a chunk of span over `span_limit` take the
+    # two kernels. Opt-in: not yet compiled or timed.
+    gates_in_prepare: bool = False
     partner_rows: str = "loaded"  # PARTNER_ROWS: how prepare's partner loop gets the partner tokens' rows
     state_dots: str = "split"  # (A.K) S_0, (E.K) dS, (A.Q)^T dO (TOLERANT_DOT_MODES)
     # (A.Q) S_0 in the forward's output (TOLERANT_DOT_MODES): plain bf16 operands took o of a short sequence from an
@@ -657,28 +662,41 @@ def _prepare_partner_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_r
                 return tuple(_spread_partner_rows(ref[rows, cols].astype(F32)) for ref in (g_ref, glo_ref, k_ref))
             return tuple(_partner(geo, x, r) for x in (g, glo, k))
 
-        def one_reference():
-            to_end, from_end = _end_reference_split(g_ref, glo_ref, cols)
-            k_from = k * from_end
-            strict = geo.lanes < geo.rows_cc
-            return tuple(jnp.where(strict, _dot(a * to_end, k_from, tb=True, mode=cfg.dots), 0.0) for a in (q, k))
-
+        one_reference = lambda: _one_reference_pairs(cfg, geo, q, k, *_end_reference_split(g_ref, glo_ref, cols))
         sub_chunks = lambda: tuple(_pair_matrices(geo, (q, k), k, g, glo, cfg.dots, partner_rows))
         if bounded is None or bounded is True:
             p, r = sub_chunks() if bounded is None else one_reference()
         else:
             p, r = lax.cond(bounded, one_reference, sub_chunks)
-        # P_tt = q_t . k_t, decay exactly 1.
-        p = p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
-        return acc[0] + p, acc[1] + r
+        return acc[0] + _with_diagonal(geo, p, q, k), acc[1] + r
 
     bounded = _bounded_span(cfg, g_ref, glo_ref, slice(None))
     zeros = jnp.zeros((C, C), F32)
     p, r = lax.fori_loop(0, K // BK, channels, (zeros, zeros))
+    _store_prepared(cfg, geo, p, r, beta_ref, doc_ref, t_ref, p_ref, r_ref)
+
+
+def _one_reference_pairs(cfg, geo, q, k, to_end, from_end):
+    """(P, R) of one block of channels of a chunk of bounded span, strictly lower: the pairs s < t decay by
+    exp(G_t - G_end) exp(G_end - G_s) (`_end_reference_split`), one product each."""
+    k_from = k * from_end
+    strict = geo.lanes < geo.rows_cc
+    return tuple(jnp.where(strict, _dot(a * to_end, k_from, tb=True, mode=cfg.dots), 0.0) for a in (q, k))
+
+
+def _with_diagonal(geo, p, q, k):
+    """P with its diagonal P_tt = q_t . k_t added (decay exactly 1, no exp)."""
+    return p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
+
+
+def _store_prepared(cfg, geo, p, r, beta_ref, doc_ref, t_ref, p_ref, r_refs):
+    """The end of prepare, from P and R summed over the channels: both masked (same document; P with s <= t, R with
+    s < t) and written (R only to `r_refs`, for the backward), and T = (I + diag(beta) R)^-1 (`Config.inverse`)."""
+    C = cfg.chunk_size
     incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
     p_ref[...] = jnp.where(incl, p, 0.0)
     r = jnp.where(strict, r, 0.0)
-    for ref in r_ref:
+    for ref in r_refs:
         ref[...] = r
     a = beta_ref[...][:, None] * r
     if cfg.inverse == "rows":
@@ -1786,10 +1804,10 @@ def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _add_row(x_ref, r, hi, lo):
-    """Row r of x_ref added into the running sums (hi, lo) by TwoSum: s = hi + x, b = s - hi, and the addition's
-    exact rounding error (hi - (s - b)) + (x - b) added into lo."""
-    x = x_ref[pl.ds(r, 1), :]
+def _add_row(x_ref, r, hi, lo, cols=slice(None)):
+    """Row r of x_ref (its columns `cols`) added into the running sums (hi, lo) by TwoSum: s = hi + x, b = s - hi,
+    and the addition's exact rounding error (hi - (s - b)) + (x - b) added into lo."""
+    x = x_ref[pl.ds(r, 1), cols]
     total = hi + x
     b = total - hi
     return total, lo + ((hi - (total - b)) + (x - b))
@@ -1894,10 +1912,110 @@ def _gates_and_operands(cfg, q, k, log_decay, carry, tail, phase="forward"):
     return g, glo, tuple(src)
 
 
+def _gates_prepare_kernel(x_ref, q_ref, k_ref, carry_ref, tail_ref, beta_ref, doc_ref, t_ref, p_ref, *out_refs,
+                          cfg: Config, parts, residuals):
+    """`Config.gates_in_prepare`: one chunk's gates, stored operands, P and T in one program, so that G is not read
+    back from memory. Per block of BK channels: `_gates_kernel`'s TwoSum down the rows (the same hi and lo, bit for
+    bit), each row also placed into C x BK tiles of hi and lo; from the tiles, `_boundary`'s operands (as
+    `_gates_kernel` forms them) and prepare's one-reference P and R (`_one_reference_pairs`, as
+    `_prepare_partner_kernel` forms them where every chunk of the call is bounded); then `_store_prepared`.
+    `out_refs`: the operand tiles (`parts` of each), gamma, the span of each channel (`_bounded_span`'s: every chunk
+    is taken as bounded, and the caller decides from the spans whether to keep the results, `_gates_and_prepare`),
+    and with `residuals` G's hi and lo and R, which the backward reads."""
+    C, K = x_ref.shape
+    BK = min(cfg.block_k, K)
+    geo = _geometry(C)
+    g_refs, r_refs = (out_refs[-3:-1], out_refs[-1:]) if residuals else ((), ())
+    *tiles, gamma_ref, span_ref = out_refs[:-3] if residuals else out_refs
+    groups = _by_operand(tiles, parts)
+    carry, tail = carry_ref[...], tail_ref[...]
+
+    def channels(j, acc):
+        cols = pl.ds(pl.multiple_of(j * BK, BK), BK)
+
+        def down(r, sums):
+            hi, lo, g, glo = sums
+            hi, lo = _add_row(x_ref, r, hi, lo, cols)
+            row = geo.rows == r
+            return hi, lo, jnp.where(row, hi, g), jnp.where(row, lo, glo)
+
+        row, tile = jnp.zeros((1, BK), F32), jnp.zeros((C, BK), F32)
+        hi_end, lo_end, g, glo = lax.fori_loop(0, C, down, (row, row, tile, tile))
+        for ref, x in zip(g_refs, (g, glo)):
+            ref[:, cols] = x
+        q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)
+        a = carry[:, None] * jnp.exp(g + glo)
+        e = tail[:, None] * jnp.exp((hi_end - g) + (lo_end - glo))
+        for refs, x in zip(groups, (a * q, a * k, e * k)):
+            _store_parts(cfg, refs, (slice(None), cols), x)
+        gamma_ref[cols] = (carry_ref[pl.ds(C - 1, 1)][:, None] * jnp.exp(hi_end + lo_end)).reshape(BK)
+        span = (_row(geo, g, 0)[None, :] - hi_end) + (_row(geo, glo, 0)[None, :] - lo_end)  # `_bounded_span`'s
+        span_ref[cols] = span.reshape(BK)
+        d = (g - hi_end) + (glo - lo_end)  # `_end_reference_split`
+        p, r = _one_reference_pairs(cfg, geo, q, k, jnp.exp(d), jnp.exp(-d))
+        return acc[0] + _with_diagonal(geo, p, q, k), acc[1] + r
+
+    zeros = jnp.zeros((C, C), F32)
+    p, r = lax.fori_loop(0, K // BK, channels, (zeros, zeros))
+    _store_prepared(cfg, geo, p, r, beta_ref, doc_ref, t_ref, p_ref, r_refs)
+
+
+def _gates_prepare_call(cfg, q, k, log_decay, beta, doc, carry, tail, phase, residuals):
+    """((stored operands of `phase`, T, P, and with `residuals` R, G hi, G lo), span per chunk and channel) from
+    `_gates_prepare_kernel`."""
+    B, Tp, Hv, K = log_decay.shape
+    C = cfg.chunk_size
+    sp = _chunk_specs(cfg, K, K)
+    shapes = _operand_shapes(cfg, B, Tp, K, phase)
+    square = jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)
+    pairs = _square_pairs(cfg)
+    squares = [jax.ShapeDtypeStruct(square.shape, BF16)] * 4 if pairs else [square] * 2
+    gates = [jax.ShapeDtypeStruct(log_decay.shape, F32)] * 2
+    kernel = functools.partial(_gates_prepare_kernel, parts=_operand_parts(cfg, phase), residuals=residuals)
+    kernel = _with_square_pairs(kernel, 7) if pairs else kernel
+    outs = _chunk_parallel_call(
+        functools.partial(kernel, cfg=cfg),
+        grid=(Tp // C, B * Hv),
+        grid_order=cfg.grid_order,
+        in_specs=[sp["channel"], sp["key"], sp["key"], sp["seq"], sp["seq"], sp["gate"], sp["seq"]],
+        out_specs=[sp["square"]] * len(squares) + [sp["channel"]] * (len(shapes) - 1) + [sp["gamma"]] * 2
+        + ([sp["channel"]] * 2 + [sp["square"]] if residuals else []),
+        out_shape=squares + shapes + shapes[-1:] + (gates + [square] if residuals else []),
+        compiler_params=_params(cfg.prepare_warps, cfg.stages),
+        interpret=cfg.interpret,
+        name="kda_gates_prepare",
+    )(log_decay.astype(F32), q, k, carry, tail, beta, doc)
+    t, p = (tuple(outs[:2]), tuple(outs[2:4])) if pairs else outs[:2]
+    rest = outs[len(squares):]
+    src, span, gates_and_r = tuple(rest[:len(shapes)]), rest[len(shapes)], rest[len(shapes) + 1:]
+    return (src, t, p, *gates_and_r[2:], *gates_and_r[:2]), span
+
+
+def _gates_and_prepare(cfg, q, k, log_decay, beta, doc, carry, tail, *, phase="forward", residuals=False):
+    """(stored operands of `phase`, T, P), and with `residuals` (R, G hi, G lo) after them, for the backward.
+
+    With `Config.gates_in_prepare` they come from one kernel (`_gates_prepare_kernel`) where every chunk of the call
+    spans at most `span_limit` (the call's own test, `_when_all_bounded`'s, on the spans that kernel writes); else,
+    and when that does not hold (`lax.cond`: -20 gates anywhere take the sub-chunk code as before), from
+    `_gates_and_operands` and `_prepare`."""
+    def two_kernels():
+        g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail, phase)
+        prepared = _prepare(cfg, q, k, g, glo, beta, doc, with_r=residuals)  # (also checks the config as given)
+        return (src, *prepared, g, glo) if residuals else (src, *prepared)
+
+    if not cfg.gates_in_prepare:
+        return two_kernels()
+    if (cfg.operands, cfg.cumsum, cfg.prepare) != ("stored", "with_operands", "partner") or cfg.span_limit is None:
+        raise ValueError(f"config.gates_in_prepare needs operands='stored', cumsum='with_operands', prepare='partner' "
+                         f"and a span_limit, got {cfg.operands!r}, {cfg.cumsum!r}, {cfg.prepare!r}, "
+                         f"{cfg.span_limit!r}")
+    fused, span = _gates_prepare_call(cfg, q, k, log_decay, beta, doc, carry, tail, phase, residuals)
+    return lax.cond(jnp.max(span) <= cfg.span_limit, lambda: fused, two_kernels)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
-    g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail)
-    t, p = _prepare(cfg, q, k, g, glo, beta, doc)  # (also checks the config as given)
+    src, t, p = _gates_and_prepare(cfg, q, k, log_decay, beta, doc, carry, tail)
     return tuple(_forward_pass(_primal_config(cfg), src, v, beta, t, p, h0, with_states=False))
 
 
@@ -1905,12 +2023,11 @@ def _kda_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     # Residuals: the inputs, P, T and R (C x C per chunk), the chunk start states (K x V per chunk, fp32 or bf16),
     # with `Config.grads_from_passes` u's pair, and with `backward_operands="saved"` the backward's stored operands.
     backward_src = None
-    if _saves_backward_operands(cfg):
-        g, glo, both = _gates_and_operands(cfg, q, k, log_decay, carry, tail, "both")
-        src, backward_src = (_phase_operands(cfg, both, phase) for phase in ("forward", "backward"))
-    else:
-        g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail)
-    t, p, r = _prepare(cfg, q, k, g, glo, beta, doc, with_r=True)
+    saved = _saves_backward_operands(cfg)
+    src, t, p, r, g, glo = _gates_and_prepare(cfg, q, k, log_decay, beta, doc, carry, tail,
+                                              phase="both" if saved else "forward", residuals=True)
+    if saved:
+        src, backward_src = (_phase_operands(cfg, src, phase) for phase in ("forward", "backward"))
     o, final, starts, u_pair = _forward_pass(cfg, src, v, beta, t, p, h0, with_states=True)
     return (o, final), (q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, u_pair, backward_src)
 
@@ -2172,6 +2289,19 @@ def _validate(q, k, v, beta, log_decay, initial_state, segment_ids, chunk_size):
         raise ValueError(f"segment_ids must have shape [B, T] = {(B, T)}, got {segment_ids.shape}")
 
 
+def _chunk_documents(segment_ids, B, T, C):
+    """(doc, carry, tail) [B, Tp] of the kernels, Tp = T padded to chunks of C: each token's document index (padded
+    tokens take the last one), whether it continues the document the previous chunk ended in (carry), and whether
+    it is in the document its chunk ends in (tail)."""
+    nt = -(-T // C)
+    doc = _pad(document_index(segment_ids, B, T), nt * C - T, mode="edge")
+    chunks = doc.reshape(B, nt, C)
+    before = jnp.concatenate([chunks[:, :1, :1], chunks[:, :-1, -1:]], axis=1)  # last doc of the previous chunk
+    carry = (chunks == before).astype(F32).reshape(B, nt * C)
+    tail = (chunks == chunks[:, :, -1:]).astype(F32).reshape(B, nt * C)
+    return doc, carry, tail
+
+
 def kda_chunk(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64,
               state_passing="sequential", interpret=None, config=None):
     """The delta rule with log_decay [B, T, Hv, K] (<= 0) through the Triton kernels; shapes as in `dispatch`.
@@ -2201,11 +2331,7 @@ def kda_chunk(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, ch
     vp = _pad(v, pad, Vp - V)
     beta_p = _pad(beta.astype(F32), pad)
     log_decay_p = _pad(log_decay.astype(F32), pad, Kp - K)
-    doc = _pad(document_index(segment_ids, B, T), pad, mode="edge")
-    chunks = doc.reshape(B, nt, C)
-    before = jnp.concatenate([chunks[:, :1, :1], chunks[:, :-1, -1:]], axis=1)  # last doc of the previous chunk
-    carry = (chunks == before).astype(F32).reshape(B, nt * C)
-    tail = (chunks == chunks[:, :, -1:]).astype(F32).reshape(B, nt * C)
+    doc, carry, tail = _chunk_documents(segment_ids, B, T, C)
     if initial_state is None:
         h0 = jnp.zeros((B, Hv, Kp, Vp), F32)
     else:

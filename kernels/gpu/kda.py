@@ -47,6 +47,8 @@ the index maps, never a repeated copy):
   chunk (`_cumulative_kernel`'s rows) and, from the same numbers, the forward's stored operands below; under
   differentiation also the parts only the backward reads (`Config.backward_operands="saved"`, default), which the
   backward then takes from the residuals.
+- `_gates_prepare_kernel` (`Config.gates_in_prepare`, opt-in), grid (chunks, B*Hv): both of the above in one
+  program for a call whose chunks all span at most `SPAN_LIMIT` (else the two run), so that G is not read back.
 - `_operands_kernel` (`Config.operands="stored"`, default), grid (K/BK, chunks, B*Hv): A (.) Q, A (.) K, E (.) K
   (the bf16 parts each phase reads, for "split" products) and gamma for one chunk and BK channels, so that the
   passes below load dot operands instead of forming them in every step; with `cumsum` "xla" or "kernel" the
@@ -1939,8 +1941,8 @@ def _gates_prepare_kernel(x_ref, q_ref, k_ref, carry_ref, tail_ref, beta_ref, do
             row = geo.rows == r
             return hi, lo, jnp.where(row, hi, g), jnp.where(row, lo, glo)
 
-        row, tile = jnp.zeros((1, BK), F32), jnp.zeros((C, BK), F32)
-        hi_end, lo_end, g, glo = lax.fori_loop(0, C, down, (row, row, tile, tile))
+        zero_row, zero_tile = jnp.zeros((1, BK), F32), jnp.zeros((C, BK), F32)
+        hi_end, lo_end, g, glo = lax.fori_loop(0, C, down, (zero_row, zero_row, zero_tile, zero_tile))
         for ref, x in zip(g_refs, (g, glo)):
             ref[:, cols] = x
         q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)

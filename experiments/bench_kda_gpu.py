@@ -109,7 +109,7 @@ VARIANTS = {
     "mosaic_reverse_operands_formed": dict(pass_backend="mosaic", reverse_backend="mosaic",
                                            backward_operands="formed"),
     "mosaic_grads": dict(grads_backend="mosaic"),
-    # the undifferentiated forward's gates, operands, T and P from one kernel (`kda.Config.gates_in_prepare`)
+    # the gates, operands, T and P (differentiated also G and R) from one kernel (`kda.Config.gates_in_prepare`)
     "gates_in_prepare": dict(gates_in_prepare=True),
     "mosaic_reverse_grads": dict(pass_backend="mosaic", reverse_backend="mosaic", grads_backend="mosaic"),
     "split_forward_obv32": dict(forward="split", output_block_v=32),

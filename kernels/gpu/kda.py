@@ -1918,9 +1918,9 @@ def _gates_prepare_kernel(x_ref, q_ref, k_ref, carry_ref, tail_ref, beta_ref, do
                           cfg: Config, parts, residuals):
     """`Config.gates_in_prepare`: one chunk's gates, stored operands, P and T in one program, so that G is not read
     back from memory. Per block of BK channels: `_gates_kernel`'s TwoSum down the rows (the same hi and lo, bit for
-    bit), each row also placed into C x BK tiles of hi and lo; from the tiles, `_boundary`'s operands (as
-    `_gates_kernel` forms them) and prepare's one-reference P and R (`_one_reference_pairs`, as
-    `_prepare_partner_kernel` forms them where every chunk of the call is bounded); then `_store_prepared`.
+    bit), each row also placed into C x BK tiles of hi and lo; from the tiles, `_boundary`'s operands and prepare's
+    one-reference P and R (`_one_reference_pairs`, as `_prepare_partner_kernel` forms them where every chunk of the
+    call is bounded); then `_store_prepared`.
     `out_refs`: the operand tiles (`parts` of each), gamma, the span of each channel (`_bounded_span`'s: every chunk
     is taken as bounded, and the caller decides from the spans whether to keep the results, `_gates_and_prepare`),
     and with `residuals` G's hi and lo and R, which the backward reads."""
@@ -1946,11 +1946,10 @@ def _gates_prepare_kernel(x_ref, q_ref, k_ref, carry_ref, tail_ref, beta_ref, do
         for ref, x in zip(g_refs, (g, glo)):
             ref[:, cols] = x
         q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)
-        a = carry[:, None] * jnp.exp(g + glo)
-        e = tail[:, None] * jnp.exp((hi_end - g) + (lo_end - glo))
-        for refs, x in zip(groups, (a * q, a * k, e * k)):
+        bound = _boundary(geo, g, glo, carry, tail)
+        for refs, x in zip(groups, (bound.a * q, bound.a * k, bound.e * k)):
             _store_parts(cfg, refs, (slice(None), cols), x)
-        gamma_ref[cols] = (carry_ref[pl.ds(C - 1, 1)][:, None] * jnp.exp(hi_end + lo_end)).reshape(BK)
+        gamma_ref[cols] = bound.gamma
         span = (_row(geo, g, 0)[None, :] - hi_end) + (_row(geo, glo, 0)[None, :] - lo_end)  # `_bounded_span`'s
         span_ref[cols] = span.reshape(BK)
         d = (g - hi_end) + (glo - lo_end)  # `_end_reference_split`

@@ -109,8 +109,6 @@ VARIANTS = {
     "mosaic_reverse_operands_formed": dict(pass_backend="mosaic", reverse_backend="mosaic",
                                            backward_operands="formed"),
     "mosaic_grads": dict(grads_backend="mosaic"),
-    # the gates, operands, T and P (differentiated also G and R) from one kernel (`kda.Config.gates_in_prepare`)
-    "gates_in_prepare": dict(gates_in_prepare=True),
     "mosaic_reverse_grads": dict(pass_backend="mosaic", reverse_backend="mosaic", grads_backend="mosaic"),
     "split_forward_obv32": dict(forward="split", output_block_v=32),
     "split_forward_obv128": dict(forward="split", output_block_v=128),

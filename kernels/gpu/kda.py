@@ -47,8 +47,6 @@ the index maps, never a repeated copy):
   chunk (`_cumulative_kernel`'s rows) and, from the same numbers, the forward's stored operands below; under
   differentiation also the parts only the backward reads (`Config.backward_operands="saved"`, default), which the
   backward then takes from the residuals.
-- `_gates_prepare_kernel` (`Config.gates_in_prepare`, opt-in), grid (chunks, B*Hv): both of the above in one
-  program for a call whose chunks all span at most `SPAN_LIMIT` (else the two run), so that G is not read back.
 - `_operands_kernel` (`Config.operands="stored"`, default), grid (K/BK, chunks, B*Hv): A (.) Q, A (.) K, E (.) K
   (the bf16 parts each phase reads, for "split" products) and gamma for one chunk and BK channels, so that the
   passes below load dot operands instead of forming them in every step; with `cumsum` "xla" or "kernel" the
@@ -241,11 +239,6 @@ class Config:
     fused_grad_block_v: int = 32  # BV of the same loop when the kernel also forms the pair terms (`fused_pair_grads`)
     grid_order: str = "chunks"  # launch order of the chunk-parallel kernels (`common.GRID_ORDERS`)
     cumsum: str = "xla"  # CUMSUM_METHODS
-    # The gates, stored operands, P and T (and under differentiation G and R) from one kernel per chunk
-    # (`_gates_prepare_kernel`) instead of `_gates_kernel` and prepare, so that G (hi and lo, fp32) is not read back
-    # (nor, undifferentiated, written) and q, k are read once; calls with a chunk of span over `span_limit` take the
-    # two kernels. Opt-in: not yet compiled or timed.
-    gates_in_prepare: bool = False
     partner_rows: str = "loaded"  # PARTNER_ROWS: how prepare's partner loop gets the partner tokens' rows
     state_dots: str = "split"  # (A.K) S_0, (E.K) dS, (A.Q)^T dO (TOLERANT_DOT_MODES)
     # (A.Q) S_0 in the forward's output (TOLERANT_DOT_MODES): plain bf16 operands took o of a short sequence from an
@@ -1806,10 +1799,10 @@ def _grads(cfg, src, q, k, v, beta, g, glo, doc, carry, tail, saved, r, starts, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _add_row(x_ref, r, hi, lo, cols=slice(None)):
-    """Row r of x_ref (its columns `cols`) added into the running sums (hi, lo) by TwoSum: s = hi + x, b = s - hi,
-    and the addition's exact rounding error (hi - (s - b)) + (x - b) added into lo."""
-    x = x_ref[pl.ds(r, 1), cols]
+def _add_row(x_ref, r, hi, lo):
+    """Row r of x_ref added into the running sums (hi, lo) by TwoSum: s = hi + x, b = s - hi, and the addition's
+    exact rounding error (hi - (s - b)) + (x - b) added into lo."""
+    x = x_ref[pl.ds(r, 1), :]
     total = hi + x
     b = total - hi
     return total, lo + ((hi - (total - b)) + (x - b))
@@ -1914,109 +1907,10 @@ def _gates_and_operands(cfg, q, k, log_decay, carry, tail, phase="forward"):
     return g, glo, tuple(src)
 
 
-def _gates_prepare_kernel(x_ref, q_ref, k_ref, carry_ref, tail_ref, beta_ref, doc_ref, t_ref, p_ref, *out_refs,
-                          cfg: Config, parts, residuals):
-    """`Config.gates_in_prepare`: one chunk's gates, stored operands, P and T in one program, so that G is not read
-    back from memory. Per block of BK channels: `_gates_kernel`'s TwoSum down the rows (the same hi and lo, bit for
-    bit), each row also placed into C x BK tiles of hi and lo; from the tiles, `_boundary`'s operands and prepare's
-    one-reference P and R (`_one_reference_pairs`, as `_prepare_partner_kernel` forms them where every chunk of the
-    call is bounded); then `_store_prepared`.
-    `out_refs`: the operand tiles (`parts` of each), gamma, the span of each channel (`_bounded_span`'s: every chunk
-    is taken as bounded, and the caller decides from the spans whether to keep the results, `_gates_and_prepare`),
-    and with `residuals` G's hi and lo and R, which the backward reads."""
-    C, K = x_ref.shape
-    BK = min(cfg.block_k, K)
-    geo = _geometry(C)
-    g_refs, r_refs = (out_refs[-3:-1], out_refs[-1:]) if residuals else ((), ())
-    *tiles, gamma_ref, span_ref = out_refs[:-3] if residuals else out_refs
-    groups = _by_operand(tiles, parts)
-    carry, tail = carry_ref[...], tail_ref[...]
-
-    def channels(j, acc):
-        cols = pl.ds(pl.multiple_of(j * BK, BK), BK)
-
-        def down(r, sums):
-            hi, lo, g, glo = sums
-            hi, lo = _add_row(x_ref, r, hi, lo, cols)
-            row = geo.rows == r
-            return hi, lo, jnp.where(row, hi, g), jnp.where(row, lo, glo)
-
-        zero_row, zero_tile = jnp.zeros((1, BK), F32), jnp.zeros((C, BK), F32)
-        hi_end, lo_end, g, glo = lax.fori_loop(0, C, down, (zero_row, zero_row, zero_tile, zero_tile))
-        for ref, x in zip(g_refs, (g, glo)):
-            ref[:, cols] = x
-        q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)
-        bound = _boundary(geo, g, glo, carry, tail)
-        for refs, x in zip(groups, (bound.a * q, bound.a * k, bound.e * k)):
-            _store_parts(cfg, refs, (slice(None), cols), x)
-        gamma_ref[cols] = bound.gamma
-        span = (_row(geo, g, 0)[None, :] - hi_end) + (_row(geo, glo, 0)[None, :] - lo_end)  # `_bounded_span`'s
-        span_ref[cols] = span.reshape(BK)
-        d = (g - hi_end) + (glo - lo_end)  # `_end_reference_split`
-        p, r = _one_reference_pairs(cfg, geo, q, k, jnp.exp(d), jnp.exp(-d))
-        return acc[0] + _with_diagonal(geo, p, q, k), acc[1] + r
-
-    zeros = jnp.zeros((C, C), F32)
-    p, r = lax.fori_loop(0, K // BK, channels, (zeros, zeros))
-    _store_prepared(cfg, geo, p, r, beta_ref, doc_ref, t_ref, p_ref, r_refs)
-
-
-def _gates_prepare_call(cfg, q, k, log_decay, beta, doc, carry, tail, phase, residuals):
-    """((stored operands of `phase`, T, P, and with `residuals` R, G hi, G lo), span per chunk and channel) from
-    `_gates_prepare_kernel`."""
-    B, Tp, Hv, K = log_decay.shape
-    C = cfg.chunk_size
-    sp = _chunk_specs(cfg, K, K)
-    shapes = _operand_shapes(cfg, B, Tp, K, phase)
-    square = jax.ShapeDtypeStruct((B, Tp, Hv, C), F32)
-    pairs = _square_pairs(cfg)
-    squares = [jax.ShapeDtypeStruct(square.shape, BF16)] * 4 if pairs else [square] * 2
-    gates = [jax.ShapeDtypeStruct(log_decay.shape, F32)] * 2
-    kernel = functools.partial(_gates_prepare_kernel, parts=_operand_parts(cfg, phase), residuals=residuals)
-    kernel = _with_square_pairs(kernel, 7) if pairs else kernel
-    outs = _chunk_parallel_call(
-        functools.partial(kernel, cfg=cfg),
-        grid=(Tp // C, B * Hv),
-        grid_order=cfg.grid_order,
-        in_specs=[sp["channel"], sp["key"], sp["key"], sp["seq"], sp["seq"], sp["gate"], sp["seq"]],
-        out_specs=[sp["square"]] * len(squares) + [sp["channel"]] * (len(shapes) - 1) + [sp["gamma"]] * 2
-        + ([sp["channel"]] * 2 + [sp["square"]] if residuals else []),
-        out_shape=squares + shapes + shapes[-1:] + (gates + [square] if residuals else []),
-        compiler_params=_params(cfg.prepare_warps, cfg.stages),
-        interpret=cfg.interpret,
-        name="kda_gates_prepare",
-    )(log_decay.astype(F32), q, k, carry, tail, beta, doc)
-    t, p = (tuple(outs[:2]), tuple(outs[2:4])) if pairs else outs[:2]
-    rest = outs[len(squares):]
-    src, span, gates_and_r = tuple(rest[:len(shapes)]), rest[len(shapes)], rest[len(shapes) + 1:]
-    return (src, t, p, *gates_and_r[2:], *gates_and_r[:2]), span
-
-
-def _gates_and_prepare(cfg, q, k, log_decay, beta, doc, carry, tail, *, phase="forward", residuals=False):
-    """(stored operands of `phase`, T, P), and with `residuals` (R, G hi, G lo) after them, for the backward.
-
-    With `Config.gates_in_prepare` they come from one kernel (`_gates_prepare_kernel`) where every chunk of the call
-    spans at most `span_limit` (the call's own test, `_when_all_bounded`'s, on the spans that kernel writes); else,
-    and when that does not hold (`lax.cond`: -20 gates anywhere take the sub-chunk code as before), from
-    `_gates_and_operands` and `_prepare`."""
-    def two_kernels():
-        g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail, phase)
-        prepared = _prepare(cfg, q, k, g, glo, beta, doc, with_r=residuals)  # (also checks the config as given)
-        return (src, *prepared, g, glo) if residuals else (src, *prepared)
-
-    if not cfg.gates_in_prepare:
-        return two_kernels()
-    if (cfg.operands, cfg.cumsum, cfg.prepare) != ("stored", "with_operands", "partner") or cfg.span_limit is None:
-        raise ValueError(f"config.gates_in_prepare needs operands='stored', cumsum='with_operands', prepare='partner' "
-                         f"and a span_limit, got {cfg.operands!r}, {cfg.cumsum!r}, {cfg.prepare!r}, "
-                         f"{cfg.span_limit!r}")
-    fused, span = _gates_prepare_call(cfg, q, k, log_decay, beta, doc, carry, tail, phase, residuals)
-    return lax.cond(jnp.max(span) <= cfg.span_limit, lambda: fused, two_kernels)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _kda(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
-    src, t, p = _gates_and_prepare(cfg, q, k, log_decay, beta, doc, carry, tail)
+    g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail)
+    t, p = _prepare(cfg, q, k, g, glo, beta, doc)  # (also checks the config as given)
     return tuple(_forward_pass(_primal_config(cfg), src, v, beta, t, p, h0, with_states=False))
 
 
@@ -2025,10 +1919,10 @@ def _kda_fwd(cfg, q, k, v, beta, log_decay, doc, carry, tail, h0):
     # with `Config.grads_from_passes` u's pair, and with `backward_operands="saved"` the backward's stored operands.
     backward_src = None
     saved = _saves_backward_operands(cfg)
-    src, t, p, r, g, glo = _gates_and_prepare(cfg, q, k, log_decay, beta, doc, carry, tail,
-                                              phase="both" if saved else "forward", residuals=True)
+    g, glo, src = _gates_and_operands(cfg, q, k, log_decay, carry, tail, "both" if saved else "forward")
     if saved:
         src, backward_src = (_phase_operands(cfg, src, phase) for phase in ("forward", "backward"))
+    t, p, r = _prepare(cfg, q, k, g, glo, beta, doc, with_r=True)
     o, final, starts, u_pair = _forward_pass(cfg, src, v, beta, t, p, h0, with_states=True)
     return (o, final), (q, k, v, beta, g, glo, doc, carry, tail, t, p, r, starts, u_pair, backward_src)
 

@@ -562,57 +562,6 @@ def test_operands_written_with_the_cumsum_equal_the_operand_kernel():
             cfg, operands="inline", cumsum="with_operands")), x)
 
 
-@pytest.mark.parametrize("pass_backend", ["triton", "mosaic"])
-@pytest.mark.parametrize("gates", ["bounded", "one_chunk_at_minus_20"])
-def test_gates_in_prepare_equal_the_two_kernels(pass_backend, gates):
-    """`Config.gates_in_prepare`: the gates, stored operands, T and P from one kernel
-    (`_gates_prepare_kernel`) are those of `_gates_kernel` and prepare bit for bit: the same TwoSum on the same
-    rows, the same operations on the same numbers. T and P as fp32 (the Triton pass) or as the bf16 pairs the
-    Mosaic pass reads, for the undifferentiated forward and with the backward's residuals (G, R and the operands
-    of both passes). With one chunk whose gates span over `span_limit` (-20 on its rows) the call takes the two
-    kernels, so the same bits again. bf16 inputs, K = 64, documents; then the whole call (Triton passes), outputs
-    and gradients, against the default config, which also sees the padding of T = 130, and against the fp32 scan."""
-    T, K = 128, 64
-    x = _round_trip_bf16(_inputs(T=T, B=2, H=1, Hv=2, K=K, V=32))
-    key = fresh_key()
-    log_decay = -0.4 * jax.random.uniform(key, x["log_decay"].shape)  # spans <= 25.6 < span_limit
-    if gates != "bounded":
-        log_decay = log_decay.at[1, 64:128, 0, :].set(-20.0)
-    x["log_decay"], x["scale"] = log_decay, K ** -0.5
-    cfg = default_config(x["q"], x["v"], scale=x["scale"], chunk_size=64, segmented=True, interpret=not ON_GPU)
-    cfg = dataclasses.replace(cfg, pass_backend=pass_backend)
-    assert cfg.operands == "stored" and cfg.cumsum == "with_operands" and cfg.span_limit is not None
-    doc, carry, tail = kda_module._chunk_documents(x["segment_ids"], 2, T, 64)
-    beta = x["beta"].astype(jnp.float32)
-    # The undifferentiated forward's operands (5 tiles and gamma), T, P; differentiated, the operands of both passes
-    # (6 tiles and gamma), T, P, R, G hi and lo. T and P are two arrays each as pairs.
-    for residuals, phase, count in ((False, "forward", 8), (True, "both", 12)):
-        results = []
-        for fused in (False, True):
-            c = dataclasses.replace(cfg, gates_in_prepare=fused)
-            call = jax.jit(lambda *a, c=c: kda_module._gates_and_prepare(c, *a, phase=phase, residuals=residuals))
-            results.append(jax.tree.leaves(call(x["q"], x["k"], log_decay, beta, doc, carry, tail)))
-        assert len(results[0]) == len(results[1]) == count + 2 * (pass_backend == "mosaic")
-        for a, b in zip(*results):
-            np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
-    if pass_backend == "mosaic":
-        return
-    x = dict(_round_trip_bf16(_inputs(T=130, B=2, H=1, Hv=2, K=K, V=32)), scale=K ** -0.5)
-    x["log_decay"] = -0.4 * jax.random.uniform(key, x["log_decay"].shape)
-    if gates != "bounded":
-        x["log_decay"] = x["log_decay"].at[0, 30:70, 1, :].set(-20.0)
-    fused = dataclasses.replace(cfg, gates_in_prepare=True)
-    fn = lambda *a, **kw: kda_chunk(*a, **kw, config=fused)
-    outputs, grads = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=fn, label=gates)
-    reference = _call(lambda *a, **kw: kda_chunk(*a, **kw, config=cfg), x)
-    reference_grads = _grads(lambda *a, **kw: kda_chunk(*a, **kw, config=cfg), x)
-    for a, b in zip(jax.tree.leaves((outputs, grads)), jax.tree.leaves((reference, reference_grads))):
-        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
-    with pytest.raises(ValueError, match="gates_in_prepare"):
-        _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(fused, operands="inline",
-                                                                                   cumsum="kernel")), x)
-
-
 # On a CPU without the bf16 "kernel" cumsum case: its lowering, the one thing it adds, is
 # `test_lowers_for_cuda_config_variants[backward_operands_saved_cumsum_kernel]`.
 @pytest.mark.parametrize("dtype,cumsum", cpu_subset([("bfloat16", "with_operands"), ("bfloat16", "kernel"),
@@ -996,9 +945,6 @@ def _expected_kernels(overrides=None, *, K=128, V=128, dtype=jnp.bfloat16):
     fwd, both = (fwd + 1, both + 2) if twice else (fwd, both)
     # "saved" backward operands: the forward's operand kernel also writes the backward's, which runs none.
     both = both - 1 if cfg["operands"] == "stored" and cfg["backward_operands"] == "saved" else both
-    # `gates_in_prepare`: one kernel for the gates, operands, T and P, beside the two kernels that run instead where a
-    # chunk's span is over the limit.
-    fwd, both = fwd + cfg["gates_in_prepare"], both + cfg["gates_in_prepare"]
     # "with_operands": one kernel writes the cumsum and the forward's operands (in place of the operand kernel).
     return (fwd + 1, both + 1) if cfg["cumsum"] == "kernel" else (fwd, both)
 
@@ -1008,7 +954,7 @@ def _shipped(K, V, dtype):
     cfg = default_config(jnp.zeros((1, 64, 2, K), dtype), jnp.zeros((1, 64, 4, V), dtype), scale=0.1, chunk_size=64,
                          segmented=False, interpret=False)
     return {name: getattr(cfg, name) for name in ("operands", "forward", "cumsum", "span_limit", "call_span_check",
-                                                   "backward_operands", "primal_forward", "gates_in_prepare")}
+                                                   "backward_operands", "primal_forward")}
 
 
 def test_passes_pipeline_two_stages_only_where_shared_memory_fits():
@@ -1084,7 +1030,6 @@ CONFIG_VARIANTS = {
                                           fused_pair_grads=False),
     "sub_chunks_only": dict(span_limit=None),
     "per_program_check": dict(call_span_check=False),
-    "gates_in_prepare": dict(gates_in_prepare=True),
 }
 
 

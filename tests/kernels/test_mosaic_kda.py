@@ -476,19 +476,6 @@ def test_lowers_for_cuda(variant):
     assert both.count("custom_call @mosaic_gpu_v2") == 2  # and the reverse pass
 
 
-def test_gates_in_prepare_lowers_for_cuda():
-    """`kda.Config.gates_in_prepare` beside both Mosaic passes (T and P written as bf16 pairs): the call and its
-    gradient lowered for an abstract H100 hold the one kernel, the two it stands in for (for calls over the span
-    limit) and the Mosaic passes."""
-    args = _abstract_call()
-    cfg = _abstract_config(args, pass_backend="mosaic", reverse_backend="mosaic", gates_in_prepare=True,
-                           **VARIANTS["bv64_producer"])
-    for call, mosaic_calls in ((_call_with(lambda: cfg), 1), (_gradient_of(_call_with(lambda: cfg)), 2)):
-        text = _lowered_for_cuda(call, args)
-        assert text.count("custom_call @mosaic_gpu_v2") == mosaic_calls and "kda_gates_prepare" in text
-        assert "kda_gates" in text.replace("kda_gates_prepare", "") and "kda_prepare" in text
-
-
 @pytest.mark.parametrize("K,V", OTHER_HEAD_DIMS)
 def test_other_head_dims_lower_for_cuda(K, V):
     """K or V of 64, V of 256: the call and its gradient with both Mosaic passes, in each layout, lowered for an
@@ -586,24 +573,6 @@ def test_gpu_adversarial(family, variant):
     _assert_equal_up_to_16_bit_rounding(mosaic_outputs,
                                         _call(_fn(dataclasses.replace(mosaic, pass_backend="triton")), x),
                                         per_element=False)
-
-
-@gpu_only
-@pytest.mark.parametrize("family", [None, *ADVERSARIAL])
-def test_gpu_gates_in_prepare_matches_scan(family):
-    """Compiled, `kda.Config.gates_in_prepare` with the dispatch's layout at K = V = 128 (both Mosaic passes, a
-    producer per state block of 64): outputs and gradients against the fp32 scan at the bf16 bounds, and against
-    the same config without it (the same operations; in the interpreter the same bits,
-    `test_gates_in_prepare_equal_the_two_kernels`), on random inputs (each chunk within the span limit) and the
-    adversarial families (-20 gates: the two kernels)."""
-    shape = dict(B=2, T=500, H=2, Hv=4, K=D, V=D)
-    x = _bf16_case(_inputs(**shape) if family is None else _adversarial(family, **shape))
-    two_kernels = _config(x, pass_backend="mosaic", reverse_backend="mosaic", **VARIANTS["bv64_producer"])
-    fused = dataclasses.replace(two_kernels, gates_in_prepare=True)
-    outputs, grads = _check(x, BF16_OUT_TOL, _bf16_grad_tol, fn=_fn(fused), label=f"gpu-gates-in-prepare-{family}")
-    reference = (_call(_fn(two_kernels), x), _grads(_fn(two_kernels), x))
-    for a, b in zip(jax.tree.leaves((outputs, grads)), jax.tree.leaves(reference)):
-        assert relative_error(a.astype(jnp.float32), b.astype(jnp.float32)) <= 1e-6, family
 
 
 @gpu_only

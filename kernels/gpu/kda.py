@@ -703,6 +703,7 @@ def _store_prepared(cfg, geo, p, r, beta_ref, doc_ref, t_ref, p_ref, r_refs):
         for j in range(nb):
             t_ref[i * SUB:(i + 1) * SUB, j * SUB:(j + 1) * SUB] = x[i, j] if j <= i else jnp.zeros((SUB, SUB), F32)
 
+
 def _chunk_specs(cfg, K, V):
     """BlockSpecs of the chunk-parallel kernels (grid (chunks, B*Hv))."""
     Hv, C, G = cfg.value_heads, cfg.chunk_size, cfg.value_heads // cfg.key_heads

@@ -657,41 +657,28 @@ def _prepare_partner_kernel(q_ref, k_ref, g_ref, glo_ref, beta_ref, doc_ref, t_r
                 return tuple(_spread_partner_rows(ref[rows, cols].astype(F32)) for ref in (g_ref, glo_ref, k_ref))
             return tuple(_partner(geo, x, r) for x in (g, glo, k))
 
-        one_reference = lambda: _one_reference_pairs(cfg, geo, q, k, *_end_reference_split(g_ref, glo_ref, cols))
+        def one_reference():
+            to_end, from_end = _end_reference_split(g_ref, glo_ref, cols)
+            k_from = k * from_end
+            strict = geo.lanes < geo.rows_cc
+            return tuple(jnp.where(strict, _dot(a * to_end, k_from, tb=True, mode=cfg.dots), 0.0) for a in (q, k))
+
         sub_chunks = lambda: tuple(_pair_matrices(geo, (q, k), k, g, glo, cfg.dots, partner_rows))
         if bounded is None or bounded is True:
             p, r = sub_chunks() if bounded is None else one_reference()
         else:
             p, r = lax.cond(bounded, one_reference, sub_chunks)
-        return acc[0] + _with_diagonal(geo, p, q, k), acc[1] + r
+        # P_tt = q_t . k_t, decay exactly 1.
+        p = p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
+        return acc[0] + p, acc[1] + r
 
     bounded = _bounded_span(cfg, g_ref, glo_ref, slice(None))
     zeros = jnp.zeros((C, C), F32)
     p, r = lax.fori_loop(0, K // BK, channels, (zeros, zeros))
-    _store_prepared(cfg, geo, p, r, beta_ref, doc_ref, t_ref, p_ref, r_ref)
-
-
-def _one_reference_pairs(cfg, geo, q, k, to_end, from_end):
-    """(P, R) of one block of channels of a chunk of bounded span, strictly lower: the pairs s < t decay by
-    exp(G_t - G_end) exp(G_end - G_s) (`_end_reference_split`), one product each."""
-    k_from = k * from_end
-    strict = geo.lanes < geo.rows_cc
-    return tuple(jnp.where(strict, _dot(a * to_end, k_from, tb=True, mode=cfg.dots), 0.0) for a in (q, k))
-
-
-def _with_diagonal(geo, p, q, k):
-    """P with its diagonal P_tt = q_t . k_t added (decay exactly 1, no exp)."""
-    return p + jnp.where(geo.lanes == geo.rows_cc, jnp.sum(q * k, axis=1)[:, None], 0.0)
-
-
-def _store_prepared(cfg, geo, p, r, beta_ref, doc_ref, t_ref, p_ref, r_refs):
-    """The end of prepare, from P and R summed over the channels: both masked (same document; P with s <= t, R with
-    s < t) and written (R only to `r_refs`, for the backward), and T = (I + diag(beta) R)^-1 (`Config.inverse`)."""
-    C = cfg.chunk_size
     incl, strict = _masks(geo, doc_ref[...], cfg.segmented)
     p_ref[...] = jnp.where(incl, p, 0.0)
     r = jnp.where(strict, r, 0.0)
-    for ref in r_refs:
+    for ref in r_ref:
         ref[...] = r
     a = beta_ref[...][:, None] * r
     if cfg.inverse == "rows":
@@ -2185,19 +2172,6 @@ def _validate(q, k, v, beta, log_decay, initial_state, segment_ids, chunk_size):
         raise ValueError(f"segment_ids must have shape [B, T] = {(B, T)}, got {segment_ids.shape}")
 
 
-def _chunk_documents(segment_ids, B, T, C):
-    """(doc, carry, tail) [B, Tp] of the kernels, Tp = T padded to chunks of C: each token's document index (padded
-    tokens take the last one), whether it continues the document the previous chunk ended in (carry), and whether
-    it is in the document its chunk ends in (tail)."""
-    nt = -(-T // C)
-    doc = _pad(document_index(segment_ids, B, T), nt * C - T, mode="edge")
-    chunks = doc.reshape(B, nt, C)
-    before = jnp.concatenate([chunks[:, :1, :1], chunks[:, :-1, -1:]], axis=1)  # last doc of the previous chunk
-    carry = (chunks == before).astype(F32).reshape(B, nt * C)
-    tail = (chunks == chunks[:, :, -1:]).astype(F32).reshape(B, nt * C)
-    return doc, carry, tail
-
-
 def kda_chunk(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, chunk_size=64,
               state_passing="sequential", interpret=None, config=None):
     """The delta rule with log_decay [B, T, Hv, K] (<= 0) through the Triton kernels; shapes as in `dispatch`.
@@ -2227,7 +2201,11 @@ def kda_chunk(q, k, v, beta, log_decay, *, scale, initial_state, segment_ids, ch
     vp = _pad(v, pad, Vp - V)
     beta_p = _pad(beta.astype(F32), pad)
     log_decay_p = _pad(log_decay.astype(F32), pad, Kp - K)
-    doc, carry, tail = _chunk_documents(segment_ids, B, T, C)
+    doc = _pad(document_index(segment_ids, B, T), pad, mode="edge")
+    chunks = doc.reshape(B, nt, C)
+    before = jnp.concatenate([chunks[:, :1, :1], chunks[:, :-1, -1:]], axis=1)  # last doc of the previous chunk
+    carry = (chunks == before).astype(F32).reshape(B, nt * C)
+    tail = (chunks == chunks[:, :, -1:]).astype(F32).reshape(B, nt * C)
     if initial_state is None:
         h0 = jnp.zeros((B, Hv, Kp, Vp), F32)
     else:

@@ -990,8 +990,9 @@ def _supported_dims(dtype):
     return [(K, V) for K, V in dims if kda_module.compiles_for(K, V, dtype)]
 
 
-# float16 too, which the dispatch declines until `test_gpu_fp16_matches_scan` has passed compiled.
-@pytest.mark.parametrize("dtype", [*pallas_gpu.KDA_DTYPES, "float16"])
+# Every dtype the kernels take (`kda.INPUT_DTYPES`): float16 too, which the dispatch declines until
+# `test_gpu_fp16_matches_scan` has passed compiled.
+@pytest.mark.parametrize("dtype", kda_module.INPUT_DTYPES)
 def test_lowers_for_cuda_every_supported_config(dtype):
     for K, V in _supported_dims(dtype):
         assert _lower_for_cuda(K, V, jnp.dtype(dtype)) == _expected_kernels(K=K, V=V, dtype=jnp.dtype(dtype)), (

@@ -10,8 +10,9 @@ Times `wy_chunk._inverse` (T of every chunk, fp32) with the kernel body swapped 
   "together" (the kernel's substitution for all 4 blocks in one loop, `substitutions_in_one_loop`) and
   "unrolled" (the same written out as straight-line code), "first" (all diagonal blocks of A first, then
   inverted in one loop each);
-- the off-diagonal blocks: "ieee" (the kernel's, 16 IEEE fp32 16 x 16 x 16 products), "split" (`_exact_dot`), and
-  the ablation "none" (zeros).
+- the off-diagonal blocks: "ieee" (16 IEEE fp32 16 x 16 x 16 products), "split" (`_exact_dot`, the kernel's for
+  16-bit inputs), "tf32x3" (three TF32 tensor-core products per product, Triton's `tf32x3` input precision, ~2^-21
+  relative), and the ablation "none" (zeros).
 
 A variant named `method=NAME` times a method of `wy_chunk.INVERSE_METHODS` as it ships (with `--pair`, writing T's
 bf16 pair as the Mosaic forward pass reads it).
@@ -86,13 +87,15 @@ def substitutions_in_one_loop(mats, unroll):
 def make_body(diagonal, off_diagonal):
     ieee = lambda a, b: common.dot(a, b, mode="highest")
     split = lambda a, b: wy_chunk._exact_dot(a, b, False)
+    tf32x3 = lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32,
+                                              precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
     inverses = {"substitute": common.unit_lower_inverse,
                 "merge": lambda a: merged_unit_lower_inverse(a, ieee),
                 "merge_split": lambda a: merged_unit_lower_inverse(a, split),
                 "none": lambda a: jnp.where(common.iota2(SUB, SUB, 0) == common.iota2(SUB, SUB, 1), 1.0, 0.0) - a}
     together = diagonal in ("together", "unrolled", "first")
     invert = None if together else inverses[diagonal]
-    product = {"ieee": ieee, "split": split, "none": None}[off_diagonal]
+    product = {"ieee": ieee, "split": split, "tf32x3": tf32x3, "none": None}[off_diagonal]
 
     def body(k_ref, beta_ref, g_ref, doc_ref, t_refs, cfg):
         nb = cfg.chunk_size // SUB

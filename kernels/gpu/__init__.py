@@ -7,8 +7,9 @@ K and V in `HEAD_DIMS`, chunk size 64 and at most `MAX_BATCH_HEADS` batch x valu
 grid axis). Everything else (beta in [0, 2], Hv a multiple of H, initial state, segment ids, any T) is handled.
 
 KDA (the delta rule with a log-decay per key channel, `kda.py`) has its own predicate, `supports_kda`: the GPU
-backend, log_decay [B, T, Hv, K], bfloat16 (as above; float32 interprets and lowers), K and V in `KDA_HEAD_DIMS`
-(256 in bfloat16 only), chunk size 64, at most `MAX_BATCH_HEADS` batch x value-head pairs. For the delta rule the
+backend, log_decay [B, T, Hv, K], bfloat16, float16 or float32 q/k/v (each verified on the H100 against the fp32
+scan: fp32 2026-11-23, bf16 2026-11-25, fp16 2026-12-07), K and V in `KDA_HEAD_DIMS` (256 in bfloat16 only), chunk
+size 64, at most `MAX_BATCH_HEADS` batch x value-head pairs. For the delta rule the
 registered function (`chunked_delta_rule`) routes on the shape of log_decay and the registered predicate accepts
 what either accepts.
 
@@ -46,7 +47,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 HEAD_DIMS = (64, 128, 256)
 CHUNK_SIZES = (64,)
 MAX_BATCH_HEADS = 65535
-KDA_DTYPES = ("bfloat16", "float32")
+KDA_DTYPES = ("bfloat16", "float16", "float32")
 # K and V each; 256 for bfloat16 inputs only (`kda.compiles_for`). At K = 256 the passes take state blocks of
 # 16 columns and one pipeline stage (`kda.default_config`).
 KDA_HEAD_DIMS = (64, 128, 256)

@@ -854,13 +854,14 @@ def _rule_call(**overrides):
     (dict(op="linear_attention"), False),
     (dict(decay="scalar"), False),
     (dict(decay="none"), False),
-    (dict(dtype="float16"), False),
+    (dict(dtype="float16"), True),
     (dict(dtype="float64"), False),
     (dict(chunk_size=32), False),
     (dict(key_dim=96), False),
     (dict(key_dim=256), True),
     (dict(key_dim=64, value_dim=256), True),
     (dict(key_dim=256, dtype="float32"), False),  # K or V of 256 in bfloat16 only (`kda.compiles_for`)
+    (dict(key_dim=256, dtype="float16"), False),
     (dict(value_dim=256, dtype="float32"), False),
     (dict(key_dim=512), False),
     (dict(value_dim=512), False),
@@ -1120,8 +1121,8 @@ def test_gpu_adversarial_bf16(family, D):
 def test_gpu_fp16_matches_scan(T, packed, init, heads, dims):
     """float16 inputs, compiled (K and V up to 128, `kda.compiles_for`), at the bf16 bounds: fp16 keeps 3 more
     mantissa bits, and its products are the "split" ones of bfloat16 (`default_config`). With
-    `test_gpu_adversarial_fp16` it is what `pallas_gpu.KDA_DTYPES` waits on to take float16 (not yet run on a
-    GPU; until then "auto" sends fp16 KDA calls to the XLA chunk form)."""
+    `test_gpu_adversarial_fp16` it is what `pallas_gpu.KDA_DTYPES` taking float16 rests on (passed on the H100,
+    2026-12-07)."""
     x = _inputs(T=T, H=heads[0], Hv=heads[1], K=dims[0], V=dims[1], packed=packed, init=init)
     x["scale"] = dims[0] ** -0.5
     _check(_round_trip(x, jnp.float16), BF16_OUT_TOL, _bf16_grad_tol, label=f"gpu-fp16-T{T}")
@@ -1136,15 +1137,17 @@ def test_gpu_adversarial_fp16(family):
 
 
 @gpu_only
-def test_gpu_dispatch_picks_the_kda_kernels():
-    """"auto" takes the KDA kernels: through "mosaic" (`kda.mosaic_config`) on Hopper, "pallas" elsewhere."""
-    x = _round_trip_bf16(_inputs(T=200, B=1, H=2, Hv=4, K=128, V=128))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_dispatch_picks_the_kda_kernels(dtype):
+    """"auto" takes the KDA kernels: bf16 through "mosaic" (`kda.mosaic_config`) on Hopper, "pallas" elsewhere;
+    fp16 through "pallas" (the Mosaic passes take bf16 only)."""
+    x = _round_trip(_inputs(T=200, B=1, H=2, Hv=4, K=128, V=128), dtype)
     call = dispatch.describe_call("delta_rule", x["q"], x["k"], x["v"], x["log_decay"], x["initial_state"],
                                   x["segment_ids"], 64)
-    expected = "mosaic" if pallas_gpu.hopper_compute_capability() else "pallas"
-    assert dispatch.select("delta_rule", "auto", call).name == expected
+    on_mosaic = dtype == jnp.bfloat16 and pallas_gpu.hopper_compute_capability()
+    assert dispatch.select("delta_rule", "auto", call).name == ("mosaic" if on_mosaic else "pallas")
     args = (x["q"], x["k"], x["v"], x["beta"], x["log_decay"])
     kw = dict(initial_state=x["initial_state"], segment_ids=x["segment_ids"])
-    o, s = deltajax.kda(*args, impl="pallas", **kw)
+    o, s = deltajax.kda(*args, impl="auto", **kw)
     o_ref, s_ref = deltajax.kda(*(a.astype(jnp.float32) for a in args), impl="scan", **kw)
     assert relative_error(o, o_ref) <= BF16_OUT_TOL and relative_error(s, s_ref) <= BF16_OUT_TOL

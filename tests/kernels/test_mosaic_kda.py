@@ -359,8 +359,8 @@ KDA_CALL = dispatch.RuleCall(op="delta_rule", batch=32, seq_len=100, key_heads=2
 
 def test_dispatch_takes_kda_to_mosaic_on_hopper(monkeypatch):
     """"mosaic" takes KDA calls that `supports_kda` takes in bf16 with K of 64 or 128 and V of 64, 128 or 256, on
-    Hopper only, and "auto" prefers it there (with few heads its config is the Triton one). K = 256 goes to
-    "pallas"."""
+    Hopper only, and "auto" prefers it there (with few heads its config is the Triton one). K = 256 and float16
+    go to "pallas"."""
     monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: True)
     assert pallas_gpu.supports_mosaic_kda(KDA_CALL) and pallas_gpu.supports_mosaic_delta_rule(KDA_CALL)
     for K, V in OTHER_HEAD_DIMS:
@@ -369,8 +369,8 @@ def test_dispatch_takes_kda_to_mosaic_on_hopper(monkeypatch):
                    dict(key_dim=256), dict(key_dim=256, value_dim=256), dict(value_dim=512), dict(value_heads=3),
                    dict(chunk_size=32), dict(decay="scalar")):
         assert not pallas_gpu.supports_mosaic_kda(KDA_CALL._replace(**change)), change
-    wide_keys = KDA_CALL._replace(key_dim=256)
-    assert pallas_gpu.supports_kda(wide_keys) and dispatch.select("delta_rule", "auto", wide_keys).name == "pallas"
+    for other in (KDA_CALL._replace(key_dim=256), KDA_CALL._replace(dtype="float16")):
+        assert pallas_gpu.supports_kda(other) and dispatch.select("delta_rule", "auto", other).name == "pallas"
     assert dispatch.select("delta_rule", "auto", KDA_CALL).name == "mosaic"
     monkeypatch.setattr(pallas_gpu, "hopper_compute_capability", lambda: False)
     assert not pallas_gpu.supports_mosaic_kda(KDA_CALL)

@@ -4,11 +4,11 @@
     python experiments/bench_kda_gpu.py --interpret --sizes=1x128x2x32 --iters=1   # CPU smoke run
 
 Each variant overrides fields of `kda.default_config`, or with `--config=mosaic` of `kda.mosaic_config` (see
-VARIANTS; bf16 inputs, Hv = H, K = D, V = D or --value_dim, chunk 64).
+VARIANTS; bf16 inputs or --dtype, Hv = H, K = D, V = D or --value_dim, chunk 64).
 Columns: the XLA glue before the kernels (compensated cumsum), the prepare kernel (P, T), the forward pass without
 and with the saved chunk states, the reverse pass, the two gradient kernels, then forward and forward+backward through
 `kda_chunk` (medians of --iters runs, block_until_ready), and optionally the relative errors against the fp32 scan
-on the same bf16 inputs. A variant that fails to compile is reported in its row, the others still run.
+on the same inputs. A variant that fails to compile is reported in its row, the others still run.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = D, V = D or --value_dim, Hv = H).")
 flags.DEFINE_integer("value_dim", 0, "V apart from D (0: V = D), in --sizes and --error_size.")
 flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "q/k/v dtype (`--config` follows it).")
 flags.DEFINE_enum("config", "default", ["default", "mosaic"],
                   "The config the variants change: `kda.default_config` (the Triton kernels) or `kda.mosaic_config` "
                   "(the dispatch's \"mosaic\" implementation at each size).")
@@ -178,7 +179,8 @@ def median_ms(fn, *args, iters):
 
 
 def inputs(B, T, H, D, seed=0):
-    return kernel_inputs(B, T, H, D, per_channel=True, seed=seed, value_dim=FLAGS.value_dim or None)
+    return kernel_inputs(B, T, H, D, per_channel=True, seed=seed, value_dim=FLAGS.value_dim or None,
+                         dtype=jnp.dtype(FLAGS.dtype))
 
 
 def make_config(name, q, v, D):
@@ -194,7 +196,7 @@ def run_fn(cfg, D):
 
 
 def variant_errors(name):
-    """Relative errors of o, final state and every gradient against the fp32 scan on the same bf16 inputs."""
+    """Relative errors of o, final state and every gradient against the fp32 scan on the same `--dtype` inputs."""
     import numpy as np
     from deltajax.rules.scan import recurrent_scan
 
@@ -273,7 +275,7 @@ def kernel_times(cfg, B, T, H, D, q, k, v, beta, log_decay):
 def main(argv):
     del argv
     dev = jax.devices()[0]
-    print(f"# {dev.device_kind}, jax {jax.__version__}, interpret={FLAGS.interpret}")
+    print(f"# {dev.device_kind}, jax {jax.__version__}, {FLAGS.dtype}, interpret={FLAGS.interpret}")
     header = ["size", "variant", "cumsum (+operands)", "prepare", "operands", "fwd pass", "fwd pass+states", "reverse",
               "grads V", "grads pairs", "fwd", "fwd+bwd"]
     if FLAGS.error_size:

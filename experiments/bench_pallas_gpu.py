@@ -22,6 +22,7 @@ from _kernel_inputs import kernel_inputs  # experiments/
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["8x2048x16x128"], "BxTxHxD sizes (K = V = D, Hv = H).")
 flags.DEFINE_list("variants", ["default"], "Names from VARIANTS.")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "q/k/v dtype (the config follows it).")
 flags.DEFINE_enum("timing", "marginal", sorted(_timing.METHODS), "How calls are timed (`_timing.time_ms`): "
                   "marginal (device time of one more queued call), pipelined (a queue's time per call) or each "
                   "(each call waited for).")
@@ -171,11 +172,11 @@ VARIANTS = {
 
 
 def inputs(B, T, H, D):
-    return kernel_inputs(B, T, H, D, per_channel=False)
+    return kernel_inputs(B, T, H, D, per_channel=False, dtype=jnp.dtype(FLAGS.dtype))
 
 
 def variant_errors(cfg):
-    """Relative errors of o and of every gradient against the fp32 scan on the same bf16-rounded inputs."""
+    """Relative errors of o and of every gradient against the fp32 scan on the same `--dtype` inputs."""
     from deltajax.rules.scan import recurrent_scan
     import numpy as np
 
@@ -223,7 +224,7 @@ def grads_row(size, name, cfg, gargs):
 def main(argv):
     del argv
     dev = jax.devices()[0]
-    print(f"# {dev.device_kind}, jax {jax.__version__}")
+    print(f"# {dev.device_kind}, jax {jax.__version__}, {FLAGS.dtype}")
     print("| size | variant | inverse | fwd pass | fwd pass+states | reverse | grads | fwd | fwd+bwd | rel. error "
           "o, dq, dk, dv, dbeta, dlog_decay |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -238,7 +239,6 @@ def main(argv):
                 cfg = wy_chunk.replace_config(cfg, **VARIANTS[name])
                 cells = []
                 if FLAGS.per_kernel:
-                    C = cfg.chunk_size
                     g = wy_chunk._in_chunk_cumsum(cfg, log_decay)  # [hi, lo]
                     doc = jnp.zeros((B, T), jnp.int32)
                     ones = jnp.ones((B, T), jnp.float32)

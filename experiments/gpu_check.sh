@@ -77,13 +77,17 @@ fi
 # tables of docs/benchmarks.md, "Where a training step's bytes go on the H100"), with its registers per thread and
 # local-memory (spill) sectors (docs/kernels.md, "KDA: the fused gradient kernel's end reordered"). Kernels of the
 # first call and the inputs' own fusions are in the CSV too: read the last call's rows. Not part of MODE=all (it
-# needs Nsight Compute).
+# needs Nsight Compute). BYTES_DTYPE=float16 (or float32) profiles the Triton kernels, which "auto" runs for them.
 if [[ ",$MODE," == *",bytes,"* ]]; then
   out=$(cd "$OUT" && pwd)
   SPILL_METRICS=launch__registers_per_thread,l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum
   SPILL_METRICS+=,l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum
   for rule in ${BYTES_RULES:-gated_deltanet kda}; do
-    if [[ $rule == kda ]]; then profile="profile_kda_gpu.py --config=mosaic"
+    dtype=${BYTES_DTYPE:-bfloat16}
+    if [[ $dtype != bfloat16 ]]; then
+      if [[ $rule == kda ]]; then profile="profile_kda_gpu.py --config=default --dtype=$dtype"
+      else profile="profile_wy_gpu.py --dtype=$dtype"; fi
+    elif [[ $rule == kda ]]; then profile="profile_kda_gpu.py --config=mosaic"
     else profile="profile_mosaic_gpu.py --backward"; fi
     profile_with() {  # metrics, CSV name
       (cd experiments && timeout ${BYTES_TIMEOUT:-250} ncu --clock-control none --csv --metrics "$1" python3 $profile \

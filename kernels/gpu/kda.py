@@ -906,6 +906,8 @@ def _odot(x, b, *, ta=False, mode):
         return _dot(x[0], b.astype(BF16), ta=ta)
     if len(x) != 2:
         raise ValueError(f"a {mode!r} product needs the stored operand's (hi, lo), got {len(x)} part(s)")
+    if b.dtype != x[0].dtype:  # float16 dO against bf16 parts: as its exact bf16 pair, not an IEEE fp32 product
+        b = b.astype(F32)
     if b.dtype == F32:
         return _split_pair_dot(x, b, ta=ta)
     return _dot(x[0], b, ta=ta) + _dot(x[1], b, ta=ta)

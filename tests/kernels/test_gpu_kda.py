@@ -547,6 +547,29 @@ def test_bf16_saved_states_change_only_the_products_that_read_them_finer():
         _call(lambda *a, **kw: kda_chunk(*a, **kw, config=dataclasses.replace(cfg, grad_k_dots="split")), x)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_no_16_bit_operand_takes_an_ieee_fp32_product(dtype, monkeypatch):
+    """Every product of a training step's kernels with operands of two dtypes is a tensor-core one ("split",
+    "bf16"), never `_dot`'s default IEEE fp32 ("highest", CUDA-core FMAs), which fp32 inputs alone choose. Until
+    2026-12-07 the reverse pass's (A (.) Q)^T dO took fp16 dO against A (.) Q's bf16 parts that way, inside its
+    sequential loop. Records the kernels' `_dot` calls while a gradient is traced."""
+    mixed = []
+    original = kda_module._dot
+
+    def recording(a, b, **kw):
+        if kw.get("mode", "highest") == "highest" and a.dtype != b.dtype:
+            mixed.append((a.dtype, b.dtype, a.shape, b.shape))
+        return original(a, b, **kw)
+
+    monkeypatch.setattr(kda_module, "_dot", recording)
+    x = _round_trip(_inputs(T=70, B=1, K=32, V=32), dtype)
+    fn = _kernel()
+    names = [n for n in ARG_NAMES if x[n] is not None]
+    loss = lambda *a: jnp.sum(_call(fn, dict(x, **dict(zip(names, a))))[0].astype(jnp.float32))
+    jax.jit(jax.grad(loss, argnums=tuple(range(len(names))))).trace(*[x[n] for n in names])
+    assert not mixed, mixed
+
+
 def test_operands_written_with_the_cumsum_equal_the_operand_kernel():
     """`Config.cumsum="with_operands"`: the forward's stored operands come from the cumsum's kernel
     (`_gates_kernel`) instead of `_operands_kernel` (which the backward still runs). The same operations on the

@@ -1014,8 +1014,7 @@ def _supported_dims(dtype):
     return [(K, V) for K, V in dims if kda_module.compiles_for(K, V, dtype)]
 
 
-# Every dtype the kernels take (`kda.INPUT_DTYPES`): float16 too, which the dispatch declines until
-# `test_gpu_fp16_matches_scan` has passed compiled.
+# Every dtype the kernels take (`kda.INPUT_DTYPES`), each of which the dispatch takes (`pallas_gpu.KDA_DTYPES`).
 @pytest.mark.parametrize("dtype", kda_module.INPUT_DTYPES)
 def test_lowers_for_cuda_every_supported_config(dtype):
     for K, V in _supported_dims(dtype):

@@ -37,6 +37,9 @@ flags.DEFINE_bool("interpret", False, "Run in Pallas's interpreter (a smoke test
 
 VARIANTS = {
     "default": {},
+    # float16 inputs: each fp16 tile as an exact bf16 pair (the default until 2026-12-07), or fp16 pairs throughout.
+    "bf16_pairs": dict(dots="split", grad_dots="split", state_dots="split", grad_k_dots="split"),
+    "fp16_pairs": dict(state_dots="fp16_split", grad_k_dots="fp16_split"),
     # The sequential passes read each chunk's scalars formed in XLA (`Config.pass_scalars`), or form them inline.
     "scalars_stored": dict(pass_scalars="stored"),
     "scalars_inline": dict(pass_scalars="inline"),

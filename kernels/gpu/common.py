@@ -15,8 +15,12 @@ from jax.experimental.pallas import triton as pltriton
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
+F16 = jnp.float16
 HIGHEST = lax.Precision.HIGHEST
-DOT_MODES = ("highest", "tf32", "bf16", "split")
+DOT_MODES = ("highest", "tf32", "bf16", "split", "fp16", "fp16_split")
+# Where the fp16 modes bring a tile's largest magnitude: 2^14, below fp16's largest finite 65,504 (~2^16) with room
+# for the rounding, and ~2^28 above its smallest normal, so that the tile's small entries keep their precision.
+FP16_TILE_EXPONENT = 14
 
 
 # The sequential passes (forward, reverse) run one program per (batch x value head, V block) through every chunk:
@@ -110,6 +114,10 @@ def dot(a, b, *, ta=False, tb=False, mode="highest"):
 
     "highest": IEEE fp32; "tf32": the backend default; "bf16": operands rounded to bf16; "split": each fp32 operand
     as hi + lo in bf16, summed from 2 (one 16-bit operand) or 3 bf16 tensor-core dots, ~2^-16 relative.
+    "fp16" and "fp16_split", for an fp16 operand against an fp32 one (else "bf16" and "split"): the fp32 tile, scaled
+    by a power of two into fp16's range (`fp16_scaled`), rounded to fp16 (one fp16 dot, ~2^-12 relative) or as
+    hi + lo in fp16 (two, ~2^-22), the sum scaled back. fp16 q and k are then used as they are, where "split" makes
+    each an exact bf16 pair (three dots against a bf16 pair) and "bf16" rounds them.
     """
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
     raw = lambda x, y, precision=None: lax.dot_general(x, y, dims, precision=precision, preferred_element_type=F32)
@@ -119,6 +127,14 @@ def dot(a, b, *, ta=False, tb=False, mode="highest"):
         return raw(a.astype(F32), b.astype(F32), HIGHEST)
     if mode == "tf32":
         return raw(a.astype(F32), b.astype(F32), lax.Precision.DEFAULT)
+    if mode in ("fp16", "fp16_split") and F16 in (a.dtype, b.dtype):
+        scaled, inverse = fp16_scaled(b if a.dtype == F16 else a)
+        parts = (scaled.astype(F16),)
+        if mode == "fp16_split":
+            parts += ((scaled - parts[0].astype(F32)).astype(F16),)
+        terms = [raw(a, part) if a.dtype == F16 else raw(part, b) for part in parts]
+        return sum(terms[1:], terms[0]) * inverse
+    mode = {"fp16": "bf16", "fp16_split": "split"}.get(mode, mode)
     if mode == "bf16":
         return raw(a.astype(BF16), b.astype(BF16))
     if mode != "split":
@@ -130,6 +146,17 @@ def dot(a, b, *, ta=False, tb=False, mode="highest"):
         a_hi, a_lo = split_bf16(a)
         return raw(a_hi, b) + raw(a_lo, b)
     return split_pair_dot(split_bf16(a), b, ta=ta, tb=tb)
+
+
+def fp16_scaled(x):
+    """(x * factor, 1 / factor) with factor a power of two that brings max |x| to [2^e, 2^(e + 1)), e =
+    `FP16_TILE_EXPONENT`: every entry then fits fp16, and fp16's 11 bits (22 as a pair) are relative to the tile's
+    largest entry whatever its scale. Both factors are made from the exponent bits of max |x|, so scaling and
+    scaling back are exact; an all-zero tile takes 2^126, a non-finite one keeps its inf or NaN."""
+    largest = lax.bitcast_convert_type(jnp.max(jnp.abs(x.astype(F32))), jnp.int32)
+    exponent = jnp.clip(lax.shift_right_logical(largest, 23), 15, 255)  # biased; >= 15 keeps 1 / factor normal
+    power = lambda biased: lax.bitcast_convert_type(lax.shift_left(biased, 23), F32)
+    return x.astype(F32) * power(254 + FP16_TILE_EXPONENT - exponent), power(exponent - FP16_TILE_EXPONENT)
 
 
 def split_pair_dot(a_pair, b, *, ta=False, tb=False):

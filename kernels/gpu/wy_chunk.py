@@ -45,10 +45,12 @@ Linear attention is u = V. Kernels, in the order they run:
   three loops over V blocks, the C x C products in registers.
 
 Precision. Products of two input-dtype operands (Q K^T, K K^T) are exact on the tensor cores. A product with an fp32
-operand (the state, T, P, u, ...) is done in one of four modes (`Config.dots` etc.): "highest" (IEEE fp32, for
-fp32 inputs), "tf32", "bf16" (operands rounded), or "split": each fp32 operand x is written as hi + lo with
+operand (the state, T, P, u, ...) is done in one of the modes of `common.dot` (`Config.dots` etc.): "highest" (IEEE
+fp32, for fp32 inputs), "tf32", "bf16" (operands rounded), or "split": each fp32 operand x is written as hi + lo with
 hi = bf16(x), lo = bf16(x - hi), and the product is summed from the bf16 dots hi*hi + hi*lo + lo*hi (two dots when
-the other operand is already bf16): ~2^-16 relative error per product at bf16 tensor-core speed. The products that
+the other operand is already bf16): ~2^-16 relative error per product at bf16 tensor-core speed. float16 inputs take
+"fp16_split" and "fp16" in their place (`FP16_DOTS`): the fp32 partner of an fp16 tile scaled into fp16's range and
+split into (or rounded to) fp16, so that the fp16 tile itself is used as it is. The products that
 keep the bf16 bounds with plainly rounded operands even for correlated keys with beta near 2 have modes of their
 own (`state_dots`: K S_0, Q S_0, K dS and Q^T dO; `grad_k_dots`: the state and dA products of "staged" part 2);
 which products those are was measured per group (docs/kernels.md, "Which products need split").
@@ -1433,7 +1435,7 @@ INVERSE_WARPS = 1
 SCORES_A_WARPS = 4  # the A kernel of "blocks16_from_a": one C x C x K product and elementwise work per chunk
 # For 16-bit inputs (float32 inputs always get IEEE fp32 products); see docs/kernels.md for what each choice
 # measured against the fp32 scan and on the H100. With bfloat16 inputs, K S_0 / K dS (STATE_DOTS) and part 2's
-# S_0 / dS_end / dA products (GRAD_K_DOTS) take plain bf16 operands (float16 inputs keep "split" there): every
+# S_0 / dS_end / dA products (GRAD_K_DOTS) take plain bf16 operands (float16 inputs fp16 ones, FP16_DOTS): every
 # error stays within half its bound on the adversarial inputs (interpreter and H100), and forward+backward went
 # from 4.44 to 3.85 ms at 8x2048x16x128 (H100, 2026-11-23). Every other product needs "split" (correlated keys
 # with beta near 2).
@@ -1442,6 +1444,13 @@ INVERSE_DOTS = "split"
 GRAD_DOTS = "split"
 GRAD_K_DOTS = "bf16"
 STATE_DOTS = "bf16"
+# float16 inputs take fp16 products where bfloat16 inputs take bf16 ones ("split" -> "fp16_split", "bf16" -> "fp16",
+# `common.dot`): fp16 q, k, v, dO as they are, against their fp32 partner scaled per tile into fp16's range. Each
+# fp16 tile made an exact bf16 pair instead (the default until 2026-12-07) took three products where bf16 inputs take
+# one or two. H100, 8x2048x16x128, `bench_pallas_gpu.py --dtype=float16`, forward / forward+backward: 1.265 / 7.117
+# ms with bf16 pairs, 0.531 / 2.913 with these (0.496 / 2.501 unscaled, which overflows beyond 65,504); errors
+# against the fp32 scan 2e-4 to 8e-4 (docs/kernels.md, "float16 products for float16 inputs").
+FP16_DOTS = {"split": "fp16_split", "bf16": "fp16"}
 # "staged" (K above MERGED_MAX_K) runs part 2 in one pipeline stage: with two, its compiled dq on bf16 saved states
 # reached 3.7e-3 to 7.3e-3 against the fp32 scan on the H200 (over the 6e-3 bound on some draws; 2.2e-3 in the
 # interpreter), the error at the chunks' first tokens, where dq is mostly the state term dO S_0^T; with every kernel
@@ -1511,19 +1520,20 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
     K, V = q.shape[3], v.shape[3]
     fp32 = jnp.dtype(q.dtype) == jnp.float32
     mode = lambda chosen: "highest" if fp32 else chosen
-    # "bf16" would round float16 q/k themselves (3 more mantissa bits than bf16): "split" keeps them exact.
+    # float16 inputs: the fp32 partner of q, k, v and dO as a scaled fp16 pair or fp16 (`common.dot`), the same
+    # number of products as bf16 inputs take and more exact ones (FP16_DOTS).
     fp16 = jnp.dtype(q.dtype) == jnp.float16
-    tolerant = lambda chosen: mode("split" if fp16 and chosen == "bf16" else chosen)
+    by_dtype = lambda chosen: FP16_DOTS[chosen] if fp16 else mode(chosen)
     grad_method = default_grad_method(K)
     grad_bv, grad_bk, grad_k_warps = GRAD_BLOCKS[grad_method]
     block_v, output_method, pass_stages = sequential_layout(q.shape[0] * v.shape[2], K, V,
                                                             bf16=jnp.dtype(q.dtype) == jnp.bfloat16)
-    inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), tolerant(STATE_DOTS), tolerant(GRAD_K_DOTS)
+    inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), by_dtype(STATE_DOTS), by_dtype(GRAD_K_DOTS)
     rounded_states = grad_method in ROUNDING_GRAD_METHODS and state_dots == grad_k_dots == "bf16"
     return Config(
         scale=float(scale), chunk_size=chunk_size, key_heads=q.shape[2], value_heads=v.shape[2], delta=delta,
-        segmented=segmented, gated=gated, dots=mode(DOTS), state_dots=state_dots,
-        inverse_dots=inverse_dots, grad_dots=mode(GRAD_DOTS), grad_k_dots=grad_k_dots,
+        segmented=segmented, gated=gated, dots=by_dtype(DOTS), state_dots=state_dots,
+        inverse_dots=inverse_dots, grad_dots=by_dtype(GRAD_DOTS), grad_k_dots=grad_k_dots,
         block_v=block_v, grad_block_v=min(grad_bv, V),
         grad_block_k=min(grad_bk or K, K),
         grad_method=grad_method, warps=4, grad_warps=4, grad_k_warps=grad_k_warps,

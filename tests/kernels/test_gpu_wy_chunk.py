@@ -300,12 +300,24 @@ def test_bf16_default_config_in_interpreter():
 
 
 def test_fp16_default_config_in_interpreter():
-    """float16 inputs (the "split" dots everywhere, fp16 outputs) at the 16-bit bounds, on the same rounded
-    inputs; `test_gpu_fp16_matches_scan` is the same check on a GPU."""
+    """float16 inputs (fp16 products against scaled fp32 partners, fp16 outputs) at the 16-bit bounds, on the same
+    rounded inputs; `test_gpu_fp16_matches_scan` is the same check on a GPU."""
     x = rule_inputs(fresh_key(), B=1, T=130, H=1, Hv=2, K=32, V=32, beta_max=2.0, packed=True,
                     with_initial_state=True)
     x["scale"] = 32 ** -0.5
     _check(_round_trip(x, jnp.float16), "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)
+
+
+@pytest.mark.parametrize("op", dispatch.OPS)
+def test_fp16_states_beyond_fp16_range(op):
+    """float16 inputs whose state reaches ~1e5 (values ~3,000 on positive keys, an initial state of ~1e5) while
+    the output, through small queries, stays ~1e3: the state's products scale it into fp16's range per tile
+    (`common.fp16_scaled`); rounded to fp16 as it is, o and the final state came out inf. Forward only (the
+    gradients of such a state are beyond fp16 themselves)."""
+    x = rule_inputs(fresh_key(), B=1, T=300, H=1, Hv=2, K=32, V=32, decay="none", with_initial_state=True)
+    x = dict(x, q=1e-3 * x["q"], k=jnp.abs(x["k"]), v=3000.0 + 100.0 * x["v"], initial_state=1e5 * x["initial_state"])
+    x["scale"] = 32 ** -0.5
+    _check(_round_trip(x, jnp.float16), op, BF16_OUT_TOL, None)
 
 
 # bf16 operands where the correlated-keys case tolerates them (`Config.grad_k_dots`: part 2's products with S_0,
@@ -318,11 +330,13 @@ ALL_SPLIT = dict(grad_k_dots="split", state_dots="split")
 
 def test_default_dots_are_tolerant_for_bf16_inputs_only():
     x = rule_inputs(fresh_key(), B=1, T=8, H=1, K=16, V=16)
-    for dtype, expected in ((jnp.bfloat16, "bf16"), (jnp.float16, "split"), (jnp.float32, "highest")):
+    for dtype, tolerant, other in ((jnp.bfloat16, "bf16", "split"), (jnp.float16, "fp16", "fp16_split"),
+                                   (jnp.float32, "highest", "highest")):
         cfg = default_config(x["q"].astype(dtype), x["v"].astype(dtype), scale=0.25, chunk_size=64, delta=True,
                              segmented=False, interpret=True)
-        assert (cfg.state_dots, cfg.grad_k_dots) == (expected, expected), dtype
-        assert cfg.dots == ("highest" if dtype == jnp.float32 else "split"), dtype
+        assert (cfg.state_dots, cfg.grad_k_dots) == (tolerant, tolerant), dtype
+        assert (cfg.dots, cfg.grad_dots) == (other, other), dtype
+        assert cfg.inverse_dots == ("highest" if dtype == jnp.float32 else "split"), dtype
 
 
 @pytest.mark.parametrize("K,expected", [(256, ("staged", "bf16", "bf16", 1)), (128, ("merged", "bf16", "bf16", None))])
@@ -350,6 +364,15 @@ def test_state_dots_on_correlated_keys_in_interpreter(dots):
                                       V=32))
     x["scale"] = 32 ** -0.5
     _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol, fn=_kernel(dict(GRAD_VARIANTS["staged"], **dots)))
+
+
+@pytest.mark.parametrize("family", ["correlated_keys_decay_near_0", "mixed_-20_and_near_0"])
+def test_fp16_adversarial_in_interpreter(family):
+    """float16 inputs' fp16 products (`common.dot`'s "fp16" and "fp16_split") on the correlated keys with beta
+    near 2 and on decays of -20 beside ones near 0, at the 16-bit bounds; `test_gpu_adversarial_fp16` compiled."""
+    x = _round_trip(_adversarial(fresh_key(), family, B=1, T=130, H=1, Hv=2, K=32, V=32), jnp.float16)
+    x["scale"] = 32 ** -0.5
+    _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)
 
 
 @pytest.mark.parametrize("family", ["correlated_keys_decay_near_0", "mixed_-20_and_near_0"])
@@ -647,6 +670,14 @@ def test_gpu_staged_gradients_at_k256(draw):
 @pytest.mark.parametrize("family", ADVERSARIAL)
 def test_gpu_adversarial_bf16(family):
     x = _round_trip_bf16(_adversarial(fresh_key(), family, B=2, T=500, H=2, Hv=4, K=128, V=128))
+    x["scale"] = 128 ** -0.5
+    _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)
+
+
+@gpu_only
+@pytest.mark.parametrize("family", ADVERSARIAL)
+def test_gpu_adversarial_fp16(family):
+    x = _round_trip(_adversarial(fresh_key(), family, B=2, T=500, H=2, Hv=4, K=128, V=128), jnp.float16)
     x["scale"] = 128 ** -0.5
     _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)
 

@@ -43,6 +43,11 @@ VARIANTS = {
     # Stored operands (pass stages 1), prepare in blocks of 32 channels, pair gradients 32 channels per program at 4
     # warps, V gradients at 8 warps, inverse "blocks" for bf16 (docs/kernels.md, KDA, 2026-11-25).
     "default": {},
+    # For --dtype=float16: the bf16 default's plain bf16 products (and its bf16 states), or one group of them
+    # (docs/kernels.md, "float16 products for float16 inputs").
+    "tolerant_bf16": dict(state_dots="bf16", grad_k_dots="bf16", state_storage="bf16"),
+    "state_bf16": dict(state_dots="bf16"),
+    "grad_k_bf16": dict(grad_k_dots="bf16"),
     # (The "grad_*" variants time the V gradient kernel of the two-kernel path: `fused_pair_grads=False`.)
     # The gates' compensated cumsum in XLA (`CumulativeLogDecay.of`) instead of `_cumulative_kernel`.
     "cumsum_xla": dict(cumsum="xla"),

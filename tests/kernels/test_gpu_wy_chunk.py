@@ -321,14 +321,15 @@ def test_fp16_states_beyond_fp16_range(op):
 
 
 # bf16 operands where the correlated-keys case tolerates them (`Config.grad_k_dots`: part 2's products with S_0,
-# dS_end and dA; `Config.state_dots`: K S and K dS in the sequential passes), the default for 16-bit inputs: it must
-# hold the bf16 bounds on the case that rejected plain bf16 elsewhere. ALL_SPLIT keeps the "split" alternative
-# of the same products tested.
+# dS_end and dA; `Config.state_dots`: K S and K dS in the sequential passes), the default for bfloat16 inputs
+# (float16 inputs round to fp16 there, `wy_chunk.FP16_DOTS`): it must hold the bf16 bounds on the case that
+# rejected plain bf16 elsewhere. ALL_SPLIT keeps the "split" alternative of the same products tested.
 TOLERANT_BF16 = dict(grad_k_dots="bf16", state_dots="bf16")
 ALL_SPLIT = dict(grad_k_dots="split", state_dots="split")
 
 
-def test_default_dots_are_tolerant_for_bf16_inputs_only():
+def test_default_dots_by_input_dtype():
+    """The rounding modes where the products tolerate them (bf16, fp16), the others exact pairs or IEEE fp32."""
     x = rule_inputs(fresh_key(), B=1, T=8, H=1, K=16, V=16)
     for dtype, tolerant, other in ((jnp.bfloat16, "bf16", "split"), (jnp.float16, "fp16", "fp16_split"),
                                    (jnp.float32, "highest", "highest")):

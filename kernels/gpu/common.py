@@ -116,8 +116,8 @@ def dot(a, b, *, ta=False, tb=False, mode="highest"):
     as hi + lo in bf16, summed from 2 (one 16-bit operand) or 3 bf16 tensor-core dots, ~2^-16 relative.
     "fp16" and "fp16_split", for an fp16 operand against an fp32 one (else "bf16" and "split"): the fp32 tile, scaled
     by a power of two into fp16's range (`fp16_scaled`), rounded to fp16 (one fp16 dot, ~2^-12 relative) or as
-    hi + lo in fp16 (two, ~2^-22), the sum scaled back. fp16 q and k are then used as they are, where "split" makes
-    each an exact bf16 pair (three dots against a bf16 pair) and "bf16" rounds them.
+    hi + lo in fp16 (two, ~2^-22), the sum scaled back. The fp16 operand is used as it is, where "split" makes it an
+    exact bf16 pair (three dots against a bf16 pair) and "bf16" rounds it.
     """
     dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
     raw = lambda x, y, precision=None: lax.dot_general(x, y, dims, precision=precision, preferred_element_type=F32)
@@ -153,10 +153,11 @@ def fp16_scaled(x):
     `FP16_TILE_EXPONENT`: every entry then fits fp16, and fp16's 11 bits (22 as a pair) are relative to the tile's
     largest entry whatever its scale. Both factors are made from the exponent bits of max |x|, so scaling and
     scaling back are exact; an all-zero tile takes 2^126, a non-finite one keeps its inf or NaN."""
-    largest = lax.bitcast_convert_type(jnp.max(jnp.abs(x.astype(F32))), jnp.int32)
+    x = x.astype(F32)
+    largest = lax.bitcast_convert_type(jnp.max(jnp.abs(x)), jnp.int32)
     exponent = jnp.clip(lax.shift_right_logical(largest, 23), 15, 255)  # biased; >= 15 keeps 1 / factor normal
     power = lambda biased: lax.bitcast_convert_type(lax.shift_left(biased, 23), F32)
-    return x.astype(F32) * power(254 + FP16_TILE_EXPONENT - exponent), power(exponent - FP16_TILE_EXPONENT)
+    return x * power(254 + FP16_TILE_EXPONENT - exponent), power(exponent - FP16_TILE_EXPONENT)
 
 
 def split_pair_dot(a_pair, b, *, ta=False, tb=False):

@@ -90,6 +90,8 @@ VARIANTS = {
     "pass_stages2_warps2": dict(pass_stages=2, warps=2, reverse_warps=2),
     "pass_stages2_warps8": dict(pass_stages=2, warps=8, reverse_warps=8),
     "bv32_stages2": dict(block_v=32, pass_stages=2),  # one program per SM at 2x8192x16x128
+    # bf16's layout at 1x32768x16x128: 128 programs of BV 16, two stages, the split forward for inference.
+    "bv16_stages2_split": dict(block_v=16, pass_stages=2, primal_forward="split"),
     "split_forward": dict(forward="split"),  # a pass carrying only the state, then the output chunk-parallel
     # the output kernel reading fp32 start states (with bf16 ones it rounds S_0 in (A (.) Q) S_0)
     "split_forward_fp32": dict(forward="split", state_storage="fp32"),

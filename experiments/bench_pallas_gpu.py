@@ -113,6 +113,9 @@ VARIANTS = {
     # One program per SM at 2x8192x16x128 (128 of BV 32 instead of 256 of BV 16), three stages as `sequential_layout`
     # gives such calls.
     "bv32_pstages3": dict(output_method="split", block_v=32, pass_stages=3, reverse_inverse_storage="split"),
+    # The whole layout `sequential_layout` gives 16-bit calls there (the reverse pass reading stored scores too).
+    "bv32_pstages3_stored": dict(output_method="split", block_v=32, pass_stages=3, reverse_inverse_storage="split",
+                                 reverse_scores="stored"),
     "fused": dict(output_method="fused"),
     # How the passes read T (fp32, or its bf16 pair "split"): forward pass / reverse pass.
     "fused_pair": dict(output_method="fused", pass_inverse_storage="split", reverse_inverse_storage="split"),

@@ -113,6 +113,12 @@ REVERSE_SCORES = ("inline", "stored")
 # "The forward in pieces"; the code is in the history at commit 0b6babe).
 
 
+def rounds_states(grad_method, state_dots, grad_k_dots):
+    """Whether every product that reads a saved start state or end-state cotangent rounds it to bf16, so that
+    storing them in bf16 (`Config.state_storage`) changes no result."""
+    return grad_method in ROUNDING_GRAD_METHODS and state_dots == grad_k_dots == "bf16"
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Static configuration of one call (hashable: it is a `custom_vjp` non-differentiable argument)."""
@@ -204,8 +210,7 @@ class Config:
             raise ValueError(f"reverse_scores must be one of {REVERSE_SCORES}, got {self.reverse_scores!r}")
         if self.state_storage not in STATE_STORAGES:
             raise ValueError(f"state_storage must be one of {STATE_STORAGES}, got {self.state_storage!r}")
-        if self.state_storage == "bf16" and not (
-                self.grad_method in ROUNDING_GRAD_METHODS and self.state_dots == "bf16" and self.grad_k_dots == "bf16"):
+        if self.state_storage == "bf16" and not rounds_states(self.grad_method, self.state_dots, self.grad_k_dots):
             raise ValueError(f"state_storage='bf16' needs grad_method in {ROUNDING_GRAD_METHODS} and state_dots = "
                              f"grad_k_dots = 'bf16' (got {self.grad_method!r}, {self.state_dots!r}, "
                              f"{self.grad_k_dots!r})")
@@ -1479,15 +1484,19 @@ DEEP_PASS_STAGES_MAX_K = 128
 # rather than BV 16 with more programs: H100, 2026-11-27, 2x8192x16x128 bf16 (`bench_pallas_gpu.py`, variant
 # `bv32_pstages3`), BV 16 (256 programs, two stages) / BV 32 (128 programs, three): forward 0.713 / 0.636 ms,
 # forward+backward 2.612 / 2.280, reverse 0.671 / 0.461, the same errors against the fp32 scan (2x1024x4x128 run
-# with each config). float16 and float32 inputs (wider tiles in three stages) were not measured and keep BV 16.
-def sequential_layout(batch_heads, key_dim, value_dim, *, bf16=False):
+# with each config). float16 inputs likewise since 2026-12-07 (H100, 2x8192x16x128 fp16, the bf16 layout against
+# BV 16: forward 0.802 / 0.861 ms, forward+backward 3.157 / 3.555, reverse 0.546 / 0.849; docs/kernels.md, "float16
+# inputs: bf16's sequential layout, and the state products without scaling"). float32 inputs (wider tiles in three
+# stages) were not measured and keep BV 16.
+def sequential_layout(batch_heads, key_dim, value_dim, *, sixteen_bit=False):
     """(block_v, output_method, pass_stages) of the sequential passes for B*Hv pairs, K and V (measurements in
     docs/kernels.md, "Sixth session"). "split" once the fused forward pass fits in one wave (at most two programs
     per SM); three pipeline stages where there is at most one program per SM, whose shared memory then is free, and
-    K <= DEEP_PASS_STAGES_MAX_K (the reverse pass at K = 256 asked for 252 KB with three). With `bf16` inputs a
-    V block of 32 that gives one program per SM is taken over twice the programs of BV 16 (measured above)."""
+    K <= DEEP_PASS_STAGES_MAX_K (the reverse pass at K = 256 asked for 252 KB with three). With 16-bit inputs
+    (`sixteen_bit`) a V block of 32 that gives one program per SM is taken over twice the programs of BV 16
+    (measured above)."""
     block_v = sequential_block_v(batch_heads, value_dim, BLOCK_V)
-    if bf16 and key_dim <= DEEP_PASS_STAGES_MAX_K:
+    if sixteen_bit and key_dim <= DEEP_PASS_STAGES_MAX_K:
         block_v = one_program_per_sm_block_v(batch_heads, value_dim) or block_v
     programs = batch_heads * (value_dim // block_v)
     output_method = "split" if programs <= SPLIT_OUTPUT_MAX_PROGRAMS else "fused"
@@ -1506,8 +1515,8 @@ def default_output_method(batch_heads, key_dim, value_dim):
 # reverse_scores_inline / reverse_scores_stored, two runs each, ms): 1x32768x16x128 (128 programs of BV 16) reverse
 # pass 1.506-1.515 / 1.174-1.177, forward+backward 4.948-4.954 / 4.613-4.616; 8x2048x16x128 (512 programs of BV
 # 32) reverse 0.401 / 0.429, forward+backward 1.949 / 1.976. The same errors against the fp32 scan.
-def default_reverse_scores(batch_heads, key_dim, value_dim, *, bf16=False):
-    block_v = sequential_layout(batch_heads, key_dim, value_dim, bf16=bf16)[0]
+def default_reverse_scores(batch_heads, key_dim, value_dim, *, sixteen_bit=False):
+    block_v = sequential_layout(batch_heads, key_dim, value_dim, sixteen_bit=sixteen_bit)[0]
     return "stored" if batch_heads * (value_dim // block_v) <= MIN_SEQUENTIAL_PROGRAMS else "inline"
 
 
@@ -1526,10 +1535,10 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
     by_dtype = lambda chosen: FP16_DOTS[chosen] if fp16 else mode(chosen)
     grad_method = default_grad_method(K)
     grad_bv, grad_bk, grad_k_warps = GRAD_BLOCKS[grad_method]
-    block_v, output_method, pass_stages = sequential_layout(q.shape[0] * v.shape[2], K, V,
-                                                            bf16=jnp.dtype(q.dtype) == jnp.bfloat16)
+    sixteen_bit = jnp.dtype(q.dtype).itemsize == 2
+    block_v, output_method, pass_stages = sequential_layout(q.shape[0] * v.shape[2], K, V, sixteen_bit=sixteen_bit)
     inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), by_dtype(STATE_DOTS), by_dtype(GRAD_K_DOTS)
-    rounded_states = grad_method in ROUNDING_GRAD_METHODS and state_dots == grad_k_dots == "bf16"
+    rounded_states = rounds_states(grad_method, state_dots, grad_k_dots)
     return Config(
         scale=float(scale), chunk_size=chunk_size, key_heads=q.shape[2], value_heads=v.shape[2], delta=delta,
         segmented=segmented, gated=gated, dots=by_dtype(DOTS), state_dots=state_dots,
@@ -1546,7 +1555,7 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
         # faster: the state pass of "split" always, the reverse pass with one program per SM.
         pass_inverse_storage="split" if output_method == "split" and inverse_dots == "split" else "fp32",
         reverse_inverse_storage="split" if pass_stages and inverse_dots == "split" else "fp32",
-        reverse_scores=default_reverse_scores(q.shape[0] * v.shape[2], K, V, bf16=jnp.dtype(q.dtype) == jnp.bfloat16))
+        reverse_scores=default_reverse_scores(q.shape[0] * v.shape[2], K, V, sixteen_bit=sixteen_bit))
 
 
 def replace_config(cfg, **changes):
@@ -1556,9 +1565,8 @@ def replace_config(cfg, **changes):
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)} | changes
     if "inverse_storage" not in changes and fields["inverse_dots"] != "split":
         fields["inverse_storage"] = "fp32"
-    rounded_states = (fields["grad_method"] in ROUNDING_GRAD_METHODS
-                      and fields["state_dots"] == fields["grad_k_dots"] == "bf16")
-    if "state_storage" not in changes and not rounded_states:
+    if "state_storage" not in changes and not rounds_states(fields["grad_method"], fields["state_dots"],
+                                                             fields["grad_k_dots"]):
         fields["state_storage"] = "fp32"
     if "grads_from_passes" not in changes:
         fields["grads_from_passes"] = GRADS_FROM_PASSES.get(fields["grad_method"], False)

@@ -438,13 +438,14 @@ def test_sequential_block_v_buys_programs_for_few_heads(batch, heads, V, expecte
 
 @pytest.mark.parametrize("batch,heads,dtype,K,expected", [
     (2, 16, "bfloat16", 128, 32),  # BV 32 with one program per SM rather than 256 programs of BV 16
-    (2, 16, "float16", 128, 16),  # measured for bf16 only: the narrowing
+    (2, 16, "float16", 128, 32),  # fp16 too (measured on the H100, 2026-12-07)
+    (2, 16, "float32", 128, 16),  # fp32's wider tiles: the narrowing
     (2, 16, "bfloat16", 256, 16),  # three stages do not fit at K = 256
     (1, 16, "bfloat16", 128, 16),  # 128 programs at BV 16 already
     (4, 16, "bfloat16", 128, 32),  # 256 programs at BV 32, none of 16 or 32 gives one per SM: the narrowing
     (8, 16, "bfloat16", 128, 32),
 ])
-def test_bf16_passes_take_one_program_per_sm_at_bv_32(batch, heads, dtype, K, expected):
+def test_16_bit_passes_take_one_program_per_sm_at_bv_32(batch, heads, dtype, K, expected):
     x = rule_inputs(fresh_key(), B=batch, T=1, H=heads, K=K, V=128)
     q, v = x["q"].astype(dtype), x["v"].astype(dtype)
     cfg = default_config(q, v, scale=1.0, chunk_size=64, delta=True, segmented=False, interpret=True)
@@ -454,6 +455,7 @@ def test_bf16_passes_take_one_program_per_sm_at_bv_32(batch, heads, dtype, K, ex
 @pytest.mark.parametrize("batch,heads,dtype,expected", [
     (8, 16, "bfloat16", ("fused", None, "fp32", "fp32", "inline")),  # 512 programs: two waves of two per SM
     (2, 16, "bfloat16", ("split", 3, "split", "split", "stored")),  # bf16: 128 programs at BV 32, one per SM
+    (2, 16, "float16", ("split", 3, "split", "split", "stored")),  # fp16 likewise
     (2, 16, "float32", ("split", None, "fp32", "fp32", "inline")),  # 256 programs at BV 16: one wave
     (1, 16, "bfloat16", ("split", 3, "split", "split", "stored")),  # 128 programs: at most one per SM
     (1, 16, "float32", ("split", 3, "fp32", "fp32", "stored")),  # IEEE fp32 products with T: no pair
@@ -464,7 +466,7 @@ def test_output_method_and_pass_stages_follow_the_programs(batch, heads, dtype, 
     scores) by the passes' programs."""
     if K == 256:
         # Three stages' buffers do not fit in shared memory at K = 256: two, and the reverse reads fp32. Nor does
-        # the bf16 layout of BV 32 apply: 2 x 16 heads take BV 16, 256 programs.
+        # the 16-bit layout of BV 32 apply: 2 x 16 heads take BV 16, 256 programs.
         expected = (expected[0], None, expected[2], "fp32", "stored" if batch == 1 else "inline")
     x = rule_inputs(fresh_key(), B=batch, T=1, H=heads, K=K, V=128)
     q, v = x["q"].astype(dtype), x["v"].astype(dtype)
@@ -555,7 +557,7 @@ def test_lowers_for_cuda_every_supported_config(index, op):
     for case in share(cases, index, 2):
         K, V, dtype = case["K"], case["V"], case["dtype"]
         kernels = _kernel_count(op, wy_chunk.default_grad_method(K), wy_chunk.default_output_method(4, K, V),
-                                wy_chunk.default_reverse_scores(4, K, V, bf16=dtype == "bfloat16"))
+                                wy_chunk.default_reverse_scores(4, K, V, sixteen_bit=dtype != "float32"))
         assert _lower_for_cuda(op, **dict(case, dtype=jnp.dtype(dtype))) == kernels, case
 
 
@@ -591,7 +593,7 @@ def test_lowers_for_cuda_every_grad_method(index, op, grad):
         K, V = case["K"], case["V"]
         kernels = _kernel_count(
             op, variant["grad_method"], variant.get("output_method", wy_chunk.default_output_method(4, 128, V)),
-            variant.get("reverse_scores", wy_chunk.default_reverse_scores(4, K, V, bf16=True)))
+            variant.get("reverse_scores", wy_chunk.default_reverse_scores(4, K, V, sixteen_bit=True)))
         assert _lower_for_cuda(op, dtype=jnp.bfloat16, grad=variant, **case) == kernels, case
 
 
@@ -622,7 +624,7 @@ GPU_CASES = [
     ("delta_rule", 257, "scalar", True, True, (1, 2), (256, 64)),
     ("linear_attention", 1000, "scalar", True, True, (2, 4), (128, 128)),
     ("linear_attention", 129, "none", False, False, (1, 1), (256, 256)),
-    # 2 x 16 value heads: bf16 passes at BV 32 with three stages (one program per SM), fp16 at BV 16 with two
+    # 2 x 16 value heads: 16-bit passes at BV 32 with three stages (one program per SM)
     ("delta_rule", 200, "scalar", True, True, (8, 16), (128, 128)),
 ]
 

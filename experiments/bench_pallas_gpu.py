@@ -65,6 +65,12 @@ VARIANTS = {
     "storage_fp32": dict(inverse_storage="fp32", state_storage="fp32"),
     "inverse_fp32": dict(inverse_storage="fp32"),
     "states_fp32": dict(state_storage="fp32"),
+    # float16 inputs: the saved states as the "fp16" products read them (fp16 tiles with factors; the default where
+    # the passes' V block holds the gradient kernel's), and at few heads (passes in V blocks of 16) the gradient
+    # kernel in V blocks of 16 too, without and with them.
+    "states_fp16": dict(state_storage="fp16"),
+    "grad_bv16": dict(grad_block_v=16),
+    "grad_bv16_states_fp16": dict(grad_block_v=16, state_storage="fp16"),
     "recompute_u_dx": dict(grad_method="staged", grad_block_v=64, grad_block_k=128, grad_k_warps=8,
                            grads_from_passes=False),
     "staged": dict(grad_method="staged", grad_block_v=64, grad_block_k=128, grad_k_warps=8),

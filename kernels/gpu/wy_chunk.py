@@ -75,6 +75,7 @@ from deltajax.kernels.gpu.common import chunk_parallel_call as _chunk_parallel_c
 from deltajax.kernels.gpu.common import compiler_params as _params
 from deltajax.kernels.gpu.common import GRID_ORDERS
 from deltajax.kernels.gpu.common import dot as _dot
+from deltajax.kernels.gpu.common import fp16_scaled
 from deltajax.kernels.gpu.common import iota2 as _iota2
 from deltajax.kernels.gpu.common import last as _last
 from deltajax.kernels.gpu.common import MIN_SEQUENTIAL_PROGRAMS
@@ -91,12 +92,13 @@ from deltajax.rules.common import document_index
 SUB = 16  # side of the diagonal blocks inverted by forward substitution
 F32 = jnp.float32
 BF16 = jnp.bfloat16
+F16 = jnp.float16
 HIGHEST = lax.Precision.HIGHEST
 GRAD_METHODS = ("fused", "staged", "merged")
 INVERSE_METHODS = ("blocks16", "batched16", "blocks16_from_a")
 INVERSE_STORAGES = ("fp32", "split")
 ROUNDING_GRAD_METHODS = ("staged", "merged")  # whose state products take `grad_k_dots` (bf16 states possible)
-STATE_STORAGES = ("fp32", "bf16")
+STATE_STORAGES = ("fp32", "bf16", "fp16")
 # A third method, "folded" (the inverse kernel also writing Z = diag(beta) T^T K_end, so the pass has two
 # dependent products per chunk instead of three), measured slower at every size on the H100 and was removed
 # (docs/kernels.md, "Eighth session").
@@ -113,10 +115,19 @@ REVERSE_SCORES = ("inline", "stored")
 # "The forward in pieces"; the code is in the history at commit 0b6babe).
 
 
-def rounds_states(grad_method, state_dots, grad_k_dots):
-    """Whether every product that reads a saved start state or end-state cotangent rounds it to bf16, so that
-    storing them in bf16 (`Config.state_storage`) changes no result."""
-    return grad_method in ROUNDING_GRAD_METHODS and state_dots == grad_k_dots == "bf16"
+def rounded_state_storage(grad_method, state_dots, grad_k_dots, block_v, grad_block_v, delta=True):
+    """The storage (STATE_STORAGES) of the saved start states and end-state cotangents that changes no product
+    reading them, beyond fp32: "bf16" where every such product rounds them to bf16; "fp16" where every such product
+    is an "fp16" one and reads them in whole tiles of the passes' V blocks, so that the passes can store each tile
+    as that product scales and rounds it, with its factor (the delta rule's "merged" gradient kernel, whose V block
+    must lie inside one of the passes'; linear attention's "merged" runs the "staged" kernels); else None."""
+    if grad_method not in ROUNDING_GRAD_METHODS or state_dots != grad_k_dots:
+        return None
+    if state_dots == "bf16":
+        return "bf16"
+    if state_dots == "fp16" and grad_method == "merged" and delta and block_v % grad_block_v == 0:
+        return "fp16"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +166,10 @@ class Config:
     # to 0.86 ms on 2026-11-24 morning, 0.41 to 0.53 ms in the evening); with one per SM it sped them up.
     inverse_storage: str = "fp32"
     # dtype of the saved chunk start states and end-state cotangents (STATE_STORAGES). "bf16" only where every
-    # product that reads them rounds them to bf16 anyway ("staged" gradients, state_dots = grad_k_dots = "bf16").
+    # product that reads them rounds them to bf16 anyway ("staged" gradients, state_dots = grad_k_dots = "bf16");
+    # "fp16" (float16 inputs) where every product that reads them scales each of the passes' tiles into fp16's
+    # range and rounds it: the passes store the tile so, with its factor per column (`_save_state`,
+    # `rounded_state_storage`).
     state_storage: str = "fp32"
     # The sequential passes save u (forward) and dx (reverse), which they compute anyway, and the gradient
     # kernels read them instead of recomputing P, du and both products with T (then no gradient kernel reads T).
@@ -210,10 +224,15 @@ class Config:
             raise ValueError(f"reverse_scores must be one of {REVERSE_SCORES}, got {self.reverse_scores!r}")
         if self.state_storage not in STATE_STORAGES:
             raise ValueError(f"state_storage must be one of {STATE_STORAGES}, got {self.state_storage!r}")
-        if self.state_storage == "bf16" and not rounds_states(self.grad_method, self.state_dots, self.grad_k_dots):
-            raise ValueError(f"state_storage='bf16' needs grad_method in {ROUNDING_GRAD_METHODS} and state_dots = "
-                             f"grad_k_dots = 'bf16' (got {self.grad_method!r}, {self.state_dots!r}, "
-                             f"{self.grad_k_dots!r})")
+        rounded = rounded_state_storage(self.grad_method, self.state_dots, self.grad_k_dots, self.block_v,
+                                        self.grad_block_v, self.delta)
+        if self.state_storage != "fp32" and self.state_storage != rounded:
+            raise ValueError(f"state_storage={self.state_storage!r} needs every product that reads the saved states "
+                             f"to round them so: 'bf16' grad_method in {ROUNDING_GRAD_METHODS} and state_dots = "
+                             f"grad_k_dots = 'bf16'; 'fp16' the delta rule, grad_method='merged', state_dots = "
+                             f"grad_k_dots = 'fp16' and grad_block_v dividing block_v (got {self.grad_method!r}, "
+                             f"{self.state_dots!r}, {self.grad_k_dots!r}, {self.grad_block_v}, {self.block_v}, "
+                             f"delta={self.delta})")
         if self.grads_from_passes != (self.grad_method == "merged") and self.grad_method != "staged":
             raise ValueError(f"grads_from_passes={self.grads_from_passes} does not go with grad_method="
                              f"{self.grad_method!r} ('merged' needs it, 'fused' cannot use it)")
@@ -538,6 +557,8 @@ def _sequence_specs(cfg, Tp, K, BV, *, pair=False):
         state=pl.BlockSpec((None, None, K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
         # Every chunk's state (or state cotangent) of the head, stacked: [B, Hv, nt * K, V].
         states=pl.BlockSpec((None, None, (Tp // cfg.chunk_size) * K, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
+        # Their factors for "fp16" storage, one row per chunk: [B, Hv, nt, V] (`_save_state`).
+        state_factors=pl.BlockSpec((None, None, Tp // cfg.chunk_size, BV), lambda j, bh: (bh // Hv, bh % Hv, 0, j)),
     )
 
 
@@ -560,7 +581,7 @@ def _output(cfg, q, k, g, doc, from_start, s, u):
     mask = _chunk_mask(doc, cfg.chunk_size, strict=False, segmented=cfg.segmented)
     p = _dot(q, k, tb=True, mode=cfg.dots) * _pair_decay(g, g, mask)
     # Q S_0 with `state_dots`: "split" reads the saved start states, bf16 for bf16 inputs, so both methods round S_0.
-    return cfg.scale * (from_start[:, None] * _dot(q, s, mode=cfg.state_dots) + _dot(p, u, mode=cfg.dots))
+    return cfg.scale * (from_start[:, None] * _state_dot(q, s, mode=cfg.state_dots) + _dot(p, u, mode=cfg.dots))
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, scalar_refs, h0_ref, o_ref, final_ref,
@@ -569,42 +590,41 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, scalar
     start state, and with `cfg.grads_from_passes` u (fp32, or its bf16 hi and lo halves: `_save_u`). scalar_refs:
     see `_pass_scalar_inputs`."""
     C = cfg.chunk_size
-    K = q_ref.shape[-1]
-    states_ref = saved_refs[:1]
+    states_refs, u_refs = _split_saved(cfg, saved_refs) if saved_refs else ((), ())
 
     def chunk(i, stored, s):
         """s: the state block at the start of chunk i; returns the one at its end."""
         rows = pl.ds(pl.multiple_of(i * C, C), C)
-        if states_ref:
-            states_ref[0][pl.ds(pl.multiple_of(i * K, K), K), :] = s.astype(states_ref[0].dtype)
+        if states_refs:
+            _save_state(states_refs, i, s)
         k, g = k_ref[rows, :], _gates(g_ref, rows)
         scalars = stored if stored is not None else _chunk_scalars(g, *(ref[rows] for ref in scalar_refs))
         u, s_end = _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k, scalars, s)
         if cfg.delta:
-            _save_u(saved_refs[1:], rows, u)
+            _save_u(u_refs, rows, u)
         o_ref[rows, :] = _output(cfg, q_ref[rows, :], k, g, doc_ref[rows], scalars[0], s, u).astype(o_ref.dtype)
         return s_end
 
     final_ref[...] = _pass_loop(cfg, nt, scalar_refs, chunk, h0_ref[...])
 
 
-def _state_kernel(k_ref, v_ref, beta_ref, t_ref, scalar_refs, h0_ref, final_ref, states_ref, *u_ref, cfg: Config,
+def _state_kernel(k_ref, v_ref, beta_ref, t_ref, scalar_refs, h0_ref, final_ref, *saved_refs, cfg: Config,
                   nt: int):
     """`cfg.output_method` "split": the pass carries only the state, (3), (4) and (6); writes every chunk's start
     state and u (delta rule) for `_output_kernel`, which does (5) chunk-parallel. The dependency chain of a step is
     then K S_0, T (beta y) and K_end^T u alone, with nothing else for the program to issue between them. T is
     read as fp32 or as its bf16 pair (`Config.pass_inverse_storage`)."""
     C = cfg.chunk_size
-    K = k_ref.shape[-1]
+    states_refs, u_refs = _split_saved(cfg, saved_refs)
 
     def chunk(i, stored, s):
         rows = pl.ds(pl.multiple_of(i * C, C), C)
-        states_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = s.astype(states_ref.dtype)
+        _save_state(states_refs, i, s)
         if stored is None:
             g_ref, carry_ref, tail_ref = scalar_refs
             stored = _chunk_scalars(_gates(g_ref, rows), carry_ref[rows], tail_ref[rows])
         u, s_end = _chunk_step(cfg, k_ref, v_ref, beta_ref, t_ref, rows, k_ref[rows, :], stored, s)
-        _save_u(u_ref, rows, u)
+        _save_u(u_refs, rows, u)
         return s_end
 
     final_ref[...] = _pass_loop(cfg, nt, scalar_refs, chunk, h0_ref[...])
@@ -620,12 +640,14 @@ def _save_u(u_refs, rows, u):
 
 def _output_kernel(q_ref, k_ref, *refs, cfg: Config):
     """Eq. (5) for one chunk and V block, from the start state and u written by `_state_kernel` (fp32, or its bf16
-    halves, summed here). refs: u's, then g, doc, carry, the start states and o."""
-    *u_refs, g_ref, doc_ref, carry_ref, s0_ref, o_ref = refs
+    halves, summed here). refs: u's, then g, doc, carry, the start state (one ref, or two: `_split_saved`) and o."""
+    n_state = _saved_arrays(cfg)
+    *u_refs, g_ref, doc_ref, carry_ref = refs[:-1 - n_state]
     g = _gates(g_ref)
     from_start = carry_ref[...] * jnp.exp(g[0] + g[1])
     u = sum(ref[...].astype(F32) for ref in u_refs)
-    o = _output(cfg, q_ref[...], k_ref[...], g, doc_ref[...], from_start, s0_ref[...], u)
+    s0, o_ref = _saved_tile(refs[-1 - n_state:-1]), refs[-1]
+    o = _output(cfg, q_ref[...], k_ref[...], g, doc_ref[...], from_start, s0, u)
     o_ref[...] = o.astype(o_ref.dtype)
 
 
@@ -639,15 +661,80 @@ def _saves_u_dx(cfg):
 
 
 def _state_dtype(cfg):
-    return BF16 if cfg.state_storage == "bf16" else F32
+    return {"bf16": BF16, "fp16": F16}.get(cfg.state_storage, F32)
+
+
+def _state_outputs(cfg, sp, shape):
+    """(BlockSpecs, shapes) of a pass's saved states (every chunk's start state or end-state cotangent), `shape`
+    (B, Hv, nt * K, V): one array, or for "fp16" storage also the factors (B, Hv, nt, V) (`_save_state`)."""
+    specs, shapes = [sp["states"]], [jax.ShapeDtypeStruct(shape, _state_dtype(cfg))]
+    if cfg.state_storage == "fp16":
+        B, Hv, _, V = shape
+        specs.append(sp["state_factors"])
+        shapes.append(jax.ShapeDtypeStruct((B, Hv, sp["state_factors"].block_shape[2], V), F32))
+    return specs, shapes
+
+
+def _saved_arrays(cfg):
+    """How many arrays hold one set of saved states: 1, or 2 for "fp16" storage (the tiles, their factors)."""
+    return 2 if cfg.state_storage == "fp16" else 1
+
+
+def _split_saved(cfg, refs):
+    """(a pass's saved-state refs or outputs, the rest), the first `_saved_arrays(cfg)` of `refs` being the states."""
+    n = _saved_arrays(cfg)
+    return refs[:n], refs[n:]
+
+
+def _save_state(refs, i, s):
+    """Chunk i's state block s (K x BV, fp32) into a pass's saved states (`_split_saved`): in their dtype, or for
+    "fp16" storage scaled by a power of two into fp16's range and rounded, as an "fp16" product of the tile does it
+    (`common.fp16_scaled`), with the factor that scales it back written to each of its columns."""
+    K, BV = s.shape
+    rows = pl.ds(pl.multiple_of(i * K, K), K)
+    if len(refs) == 1:
+        refs[0][rows, :] = s.astype(refs[0].dtype)
+        return
+    scaled, factor = fp16_scaled(s)
+    refs[0][rows, :] = scaled.astype(F16)
+    refs[1][pl.ds(i, 1), :] = jnp.full((1, BV), factor, F32)
+
+
+def _saved_tile(refs, cols=slice(None), *, shared=False):
+    """Columns `cols` of one chunk's saved state as `_state_dot` takes it: the array, or for "fp16" storage (two
+    refs) the fp16 tile and its factor: a row of per-column factors, or with `shared` (all columns inside one of the
+    passes' V blocks, as products contracting over V need) their common value as a scalar."""
+    if len(refs) == 1:
+        return refs[0][:, cols]
+    factors = refs[1][cols]
+    return refs[0][:, cols], jnp.max(factors) if shared else factors[None, :]
+
+
+def _state_inner(a, b):
+    """sum(a (.) b) of two saved state tiles as `_saved_tile` loads them (with `shared` factors)."""
+    if not isinstance(a, tuple):
+        return jnp.sum(a.astype(F32) * b.astype(F32))
+    return jnp.sum(a[0].astype(F32) * b[0].astype(F32)) * (a[1] * b[1])
+
+
+def _state_dot(a, state, *, mode, ta=False, tb=False):
+    """`_dot(a, state)` for a state block as the passes hold it (fp32) or as `_saved_tile` loads it. An fp16 tile
+    with its factor gives what mode "fp16" gives for the fp32 block it was saved from: against fp16 `a`, one fp16
+    product of the tile, scaled back; against fp32 `a`, both rounded to bf16 (where fp32 meets fp32, "fp16" is
+    "bf16")."""
+    if not isinstance(state, tuple):
+        return _dot(a, state, ta=ta, tb=tb, mode=mode)
+    tile, factor = state
+    if a.dtype != F16:
+        a, tile = a.astype(BF16), tile.astype(BF16)
+    return _dot(a, tile, ta=ta, tb=tb) * factor
 
 
 def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states, u_pair=False):
     """(o, final state), and `with_states` every chunk's start state and (`_saves_u_dx`) u: fp32, or with `u_pair`
     its bf16 (hi, lo) halves as a tuple of two arrays."""
     if cfg.output_method == "split":
-        final, starts, *u = _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, u_pair=u_pair)
-        u = _grouped_u(u)
+        final, starts, u = _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, u_pair=u_pair)
         o = _output_pass(cfg, q, k, v if u is None else u, g, doc, carry, starts, v.dtype)
         if not with_states:
             return o, final
@@ -662,8 +749,9 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
     out_shape = [jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), jax.ShapeDtypeStruct((B, Hv, K, V), F32)]
     out_specs = [sp["value"], sp["state"]]
     if with_states:
-        out_shape.append(jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg)))
-        out_specs.append(sp["states"])
+        state_specs, state_shapes = _state_outputs(cfg, sp, (B, Hv, nt * K, V))
+        out_shape += state_shapes
+        out_specs += state_specs
         if _saves_u_dx(cfg):
             out_shape += _u_shapes(u_pair, (B, Tp, Hv, V))
             out_specs += [sp["value"]] * (1 + u_pair)
@@ -681,8 +769,9 @@ def _forward_pass(cfg, q, k, v, beta, t, g, doc, carry, tail, h0, *, with_states
     )(q, k, v, beta, t, g, doc, scalars, h0)
     if not saved:
         return o, final
-    u = _grouped_u(saved[1:])
-    return (o, final, saved[0]) if u is None else (o, final, saved[0], u)
+    starts, u = _grouped_states(cfg, saved)
+    u = _grouped_u(u)
+    return (o, final, starts) if u is None else (o, final, starts, u)
 
 
 def _pass_layout(cfg, t, B, Tp, K, Hv, V):
@@ -692,8 +781,8 @@ def _pass_layout(cfg, t, B, Tp, K, Hv, V):
     BV = min(cfg.block_v, V)
     nt = Tp // cfg.chunk_size
     sp = _sequence_specs(cfg, Tp, K, BV, pair=t.ndim == 5)
-    out_shape = [jax.ShapeDtypeStruct((B, Hv, K, V), F32), jax.ShapeDtypeStruct((B, Hv, nt * K, V), _state_dtype(cfg))]
-    return BV, nt, sp, [sp["state"], sp["states"]], out_shape
+    state_specs, state_shapes = _state_outputs(cfg, sp, (B, Hv, nt * K, V))
+    return BV, nt, sp, [sp["state"], *state_specs], [jax.ShapeDtypeStruct((B, Hv, K, V), F32), *state_shapes]
 
 
 def _u_shapes(pair, shape):
@@ -706,9 +795,16 @@ def _grouped_u(outputs):
     return tuple(outputs) if len(outputs) == 2 else outputs[0] if outputs else None
 
 
+def _grouped_states(cfg, outputs):
+    """(saved states, the outputs after them) from a pass's outputs after its state block: the saved states as one
+    value, the array or for "fp16" storage the tuple (tiles, factors)."""
+    states, rest = _split_saved(cfg, list(outputs))
+    return (states[0] if len(states) == 1 else tuple(states)), rest
+
+
 def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, *, u_pair=False):
-    """The sequential pass of "split": (final state, every chunk's start state, u (delta rule only): fp32, or with
-    `u_pair` its bf16 hi and lo halves)."""
+    """The sequential pass of "split": (final state, every chunk's start state (`_grouped_states`), u: None (linear
+    attention), fp32, or with `u_pair` its bf16 hi and lo halves as a tuple)."""
     B, Tp, H, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     BV, nt, sp, out_specs, out_shape = _pass_layout(cfg, t, B, Tp, K, Hv, V)
@@ -716,7 +812,7 @@ def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, *, u_pair=False):
         out_specs += [sp["value"]] * (1 + u_pair)
         out_shape += _u_shapes(u_pair, (B, Tp, Hv, V))
     scalars, scalar_specs = _pass_scalar_inputs(cfg, sp, g, carry, tail)
-    return pl.pallas_call(
+    final, *saved = pl.pallas_call(
         functools.partial(_state_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
         in_specs=[sp["key"], sp["value"], sp["gate"], sp["inverse"], scalar_specs, sp["state"]],
@@ -726,6 +822,8 @@ def _state_pass(cfg, k, v, beta, t, g, carry, tail, h0, *, u_pair=False):
         interpret=cfg.interpret,
         name="wy_states",
     )(k, v, beta, t, scalars, h0)
+    starts, u = _grouped_states(cfg, saved)
+    return final, starts, _grouped_u(u)
 
 
 def _value_block_specs(cfg, K, BV, Hv, H):
@@ -741,24 +839,26 @@ def _value_block_specs(cfg, K, BV, Hv, H):
 
 def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype):
     """O of every chunk, chunk-parallel: grid (V/BV, chunks, B*Hv) with BV = `cfg.output_block_v`. u: fp32, v (linear
-    attention), or a tuple of u's bf16 halves."""
+    attention), or a tuple of u's bf16 halves; `starts` as `_state_pass` returns them."""
     u = u if isinstance(u, tuple) else (u,)
+    starts = starts if isinstance(starts, tuple) else (starts,)
     B, Tp, H, K = q.shape
     Hv, V = u[0].shape[2], u[0].shape[3]
     BV = min(cfg.output_block_v, V)
     sp = _value_block_specs(cfg, K, BV, Hv, H)
+    state_specs = [pl.BlockSpec((None, None, K, BV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j)),
+                   pl.BlockSpec((None, None, None, BV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j))]
     return _chunk_parallel_call(
         functools.partial(_output_kernel, cfg=cfg),
         grid=(V // BV, Tp // cfg.chunk_size, B * Hv),
         grid_order=cfg.grid_order,
-        in_specs=[sp.key, sp.key, *[sp.value] * len(u), sp.gates, sp.seq, sp.seq,
-                  pl.BlockSpec((None, None, K, BV), lambda j, i, bh: (bh // Hv, bh % Hv, i, j))],
+        in_specs=[sp.key, sp.key, *[sp.value] * len(u), sp.gates, sp.seq, sp.seq, *state_specs[:len(starts)]],
         out_specs=sp.value,
         out_shape=jax.ShapeDtypeStruct((B, Tp, Hv, V), out_dtype),
         compiler_params=_params(cfg.output_warps, cfg.stages),
         interpret=cfg.interpret,
         name="wy_output",
-    )(q, k, *u, g, doc, carry, starts)
+    )(q, k, *u, g, doc, carry, *starts)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -800,16 +900,16 @@ def _reverse_scores_pass(cfg, q, k, g, doc, do):
 
 
 def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, scalar_refs, do_ref, dfinal_ref, score_refs,
-                    dh0_ref, dends_ref, *dx_ref, cfg: Config, nt: int):
+                    dh0_ref, *saved_refs, cfg: Config, nt: int):
     """scalar_refs: see `_pass_scalar_inputs`; score_refs: () or (with `reverse_scores="stored"`) the V block of
     `_reverse_scores_pass`'s output."""
     C = cfg.chunk_size
-    K = q_ref.shape[-1]
+    dends_refs, dx_ref = _split_saved(cfg, saved_refs)
 
     def chunk(i, stored, ds):
         """ds: dL/d(state at the end of chunk i); returns dL/d(state at its start)."""
         rows = pl.ds(pl.multiple_of(i * C, C), C)
-        dends_ref[pl.ds(pl.multiple_of(i * K, K), K), :] = ds.astype(dends_ref.dtype)
+        _save_state(dends_refs, i, ds)
         q, k = q_ref[rows, :], k_ref[rows, :]
         if stored is None:
             stored = _chunk_scalars(_gates(g_ref, rows), *(ref[rows] for ref in scalar_refs))
@@ -836,8 +936,9 @@ def _reverse_kernel(q_ref, k_ref, beta_ref, t_ref, g_ref, doc_ref, scalar_refs, 
 
 
 def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal, *, dx_pair=False):
-    """(dL/d(initial state), every chunk's end-state cotangent) and, where the gradient kernels read it
-    (`_saves_u_dx`), dx = dL/d(beta y): fp32, or with `dx_pair` its bf16 (hi, lo) halves as two arrays."""
+    """(dL/d(initial state), every chunk's end-state cotangent (as `_grouped_states` groups saved states)) and, where
+    the gradient kernels read it (`_saves_u_dx`), dx = dL/d(beta y): fp32, or with `dx_pair` its bf16 (hi, lo)
+    halves as two arrays."""
     B, Tp, H, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
     BV, nt, sp, out_specs, out_shape = _pass_layout(cfg, t, B, Tp, K, Hv, V)
@@ -847,7 +948,7 @@ def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal, *, dx_pai
     scalars, scalar_specs = _pass_scalar_inputs(cfg, sp, g, carry, tail, gates=False)
     stored = cfg.delta and cfg.reverse_scores == "stored"
     scores = (_reverse_scores_pass(cfg, q, k, g, doc, do),) if stored else ()
-    return pl.pallas_call(
+    dh0, *saved = pl.pallas_call(
         functools.partial(_reverse_kernel, cfg=cfg, nt=nt),
         grid=(V // BV, B * Hv),
         in_specs=[sp["key"], sp["key"], sp["gate"], sp["inverse"], sp["gates"], sp["seq"], scalar_specs,
@@ -858,6 +959,8 @@ def _reverse_pass(cfg, q, k, beta, t, g, doc, carry, tail, do, dfinal, *, dx_pai
         interpret=cfg.interpret,
         name="wy_reverse",
     )(q, k, beta, t, g, doc, scalars, do, dfinal, scores)
+    dends, dx = _grouped_states(cfg, saved)
+    return (dh0, dends, *dx)
 
 
 def _grad_kernel(q_ref, k_ref, v_ref, beta_ref, t_ref, g_ref, doc_ref, carry_ref, tail_ref, s0_ref, dend_ref,
@@ -1128,8 +1231,7 @@ def _pair_terms(cfg, q_ref, k_ref, g, doc, beta, from_start, dq_acc, dk_acc, sum
     dlog_ref[...] = _dlog(local, shared, sums["end"], sums["survive"], first)
 
 
-def _grad_merged_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, doc_ref, carry_ref, tail_ref, s0_ref, dend_ref,
-                        do_ref, u_ref, dx_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dlog_ref, *, cfg: Config):
+def _grad_merged_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, doc_ref, carry_ref, tail_ref, *refs, cfg: Config):
     """"merged" (delta rule): the two kernels of "staged" with u and dx from the passes, as one, grid (1, chunks,
     B*Hv); dq and dk are whole rows (BK = K). Three loops over the V blocks, so that at most one C x K accumulator
     is live at a time: (1) dv, the per-token sums and the C x C products dO u^T and dx u^T, accumulated in
@@ -1138,7 +1240,13 @@ def _grad_merged_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, doc_ref, carry_ref
 
     One loop doing all three (every accumulator live at once) was slower (1.31-1.39 against 1.17 ms at
     8x2048x16x128 on the H100) and, as first written, gave dq and d(log_decay) errors of 1.1e-2 to 2.0e-2 there,
-    varying from run to run, where the interpreter gave 2.2e-3 on bf16 inputs (docs/kernels.md)."""
+    varying from run to run, where the interpreter gave 2.2e-3 on bf16 inputs (docs/kernels.md).
+
+    refs: the start states and the end-state cotangents (one ref each, or two: `_split_saved`), then dO, u, dx and
+    the outputs."""
+    n_state = _saved_arrays(cfg)
+    s0_refs, dend_refs = refs[:n_state], refs[n_state:2 * n_state]
+    do_ref, u_ref, dx_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dlog_ref = refs[2 * n_state:]
     C = cfg.chunk_size
     K, V = k_ref.shape[-1], do_ref.shape[-1]
     BV = min(cfg.grad_block_v, V)
@@ -1153,9 +1261,10 @@ def _grad_merged_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, doc_ref, carry_ref
     def v_block(j, acc):
         dp_acc, da_acc, dbeta_acc, dg_acc, end_acc, survive_acc = acc
         cols = block(j)
-        s0, dend, do, u, dx = s0_ref[:, cols], dend_ref[:, cols], do_ref[:, cols], u_ref[:, cols], dx_ref[:, cols]
-        ks = _dot(k, s0, mode=cfg.state_dots)
-        kd = _dot(k, dend, mode=cfg.state_dots)
+        s0, dend = _saved_tile(s0_refs, cols, shared=True), _saved_tile(dend_refs, cols, shared=True)
+        do, u, dx = do_ref[:, cols], u_ref[:, cols], dx_ref[:, cols]
+        ks = _state_dot(k, s0, mode=cfg.state_dots)
+        kd = _state_dot(k, dend, mode=cfg.state_dots)
         y = v_ref[:, cols].astype(F32) - from_start[:, None] * ks
         dv_ref[:, cols] = (beta[:, None] * dx).astype(dv_ref.dtype)
         dp_acc = dp_acc + _dot(do, u, tb=True, mode=mode)
@@ -1163,15 +1272,16 @@ def _grad_merged_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, doc_ref, carry_ref
         dbeta_acc = dbeta_acc + jnp.sum(dx * y, axis=1)
         dg_acc = dg_acc - jnp.sum((beta * from_start)[:, None] * dx * ks, axis=1)  # through carry exp(G), eq. (3)
         end_acc = end_acc + to_end * jnp.sum(u * kd, axis=1)  # e_i = dL/d log(token i's end factor)
-        survive_acc = survive_acc + jnp.sum(s0.astype(F32) * dend.astype(F32))
+        survive_acc = survive_acc + _state_inner(s0, dend)
         return dp_acc, da_acc, dbeta_acc, dg_acc, end_acc, survive_acc
 
     def dk_state_terms(j, dk):
         """dks S_0^T + (e u) dS_end^T of V block j."""
         cols = block(j)
         dks = -(beta * from_start)[:, None] * dx_ref[:, cols]
-        return (dk + _dot(dks, s0_ref[:, cols], tb=True, mode=late)
-                + _dot(to_end[:, None] * u_ref[:, cols], dend_ref[:, cols], tb=True, mode=late))
+        s0, dend = _saved_tile(s0_refs, cols, shared=True), _saved_tile(dend_refs, cols, shared=True)
+        return (dk + _state_dot(dks, s0, tb=True, mode=late)
+                + _state_dot(to_end[:, None] * u_ref[:, cols], dend, tb=True, mode=late))
 
     zeros = lambda *shape: jnp.zeros(shape, F32)
     acc = (zeros(C, C), zeros(C, C), zeros(C), zeros(C), zeros(C), jnp.float32(0.0))
@@ -1179,8 +1289,9 @@ def _grad_merged_kernel(q_ref, k_ref, v_ref, beta_ref, g_ref, doc_ref, carry_ref
     q = q_ref[...]
     dp, da_k, shared, dbeta = _pair_products(cfg, q, k, g, doc_ref[...], beta, dict(dp=dp, da=da, dbeta=dbeta, dg=dg))
     dbeta_ref[...] = dbeta
-    dq_acc = lax.fori_loop(0, nv, lambda j, a: a + _dot(do_ref[:, block(j)], s0_ref[:, block(j)], tb=True, mode=late),
-                           zeros(C, K))
+    dq_acc = lax.fori_loop(
+        0, nv, lambda j, a: a + _state_dot(do_ref[:, block(j)], _saved_tile(s0_refs, block(j), shared=True), tb=True,
+                                           mode=late), zeros(C, K))
     dq_state = cfg.scale * from_start[:, None] * dq_acc
     dq_ref[...] = (dq_state + _dot(dp, k, mode=mode)).astype(dq_ref.dtype)
     dlog_ref[...] = _dlog(jnp.sum(dq_state * q.astype(F32), axis=1), shared, end, survive * survive_acc, None)
@@ -1238,19 +1349,23 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=
         if BK != K:
             raise ValueError(f"grad_method='merged' writes whole rows of dq and dk: grad_block_k must be K = {K}, "
                              f"got {cfg.grad_block_k}")
+        # The saved states: one array each, or for "fp16" storage (tiles, factors) each.
+        states = [x for value in (starts, dends) for x in (value if isinstance(value, tuple) else (value,))]
+        factor_spec = pl.BlockSpec((None, None, None, V), lambda j, i, bh: (bh // Hv, bh % Hv, i, 0))
+        state_specs = [chunk_state_spec, factor_spec][:len(states) // 2] * 2
         dq, dk, dv, dbeta, dlog = _chunk_parallel_call(
             functools.partial(_grad_merged_kernel, cfg=cfg),
             grid=(1, Tp // C, B * Hv),
             grid_order=cfg.grid_order,
             in_specs=[key_spec, key_spec, value_spec, gate_spec, gates_spec, seq_spec, seq_spec, seq_spec,
-                      chunk_state_spec, chunk_state_spec, value_spec, value_spec, value_spec],
+                      *state_specs, value_spec, value_spec, value_spec],
             out_specs=[k_block_spec, k_block_spec, value_spec, block_vector_spec, block_vector_spec],
             out_shape=[qk_grad, qk_grad, jax.ShapeDtypeStruct((B, Tp, Hv, V), v.dtype), block_vector(1),
                        block_vector(1)],
             compiler_params=_params(cfg.grad_k_warps, cfg.stages),
             interpret=cfg.interpret,
             name="wy_grads_merged",
-        )(q, k, v, beta, g, doc, carry, tail, starts, dends, do, *saved)
+        )(q, k, v, beta, g, doc, carry, tail, *states, do, *saved)
         return dq, dk, dv, dbeta[0], dlog[0]
 
     # "staged" (and "merged" for linear attention), part 1: grid (V/BV, chunks, B*Hv).
@@ -1465,9 +1580,15 @@ STAGED_GRAD_K_STAGES = 1
 # Storage between kernels, where the consumers' products allow it (`Config.inverse_storage`, `state_storage`): T
 # for the gradient kernels that read it ("fused", "staged" recomputing u and dx) as its bf16 (hi, lo) pair whenever
 # its products are "split"; the saved states and end-state cotangents in bf16 whenever every product reading them
-# rounds them to bf16 (bfloat16 inputs).
+# rounds them to bf16 (bfloat16 inputs), and in fp16 tiles with their factors wherever every product reading them
+# is an "fp16" one on whole tiles of the passes' V blocks (float16 inputs; the "merged" gradient kernel then takes
+# the passes' V block where it is narrower than its own). STATE_STORAGE maps what `rounded_state_storage` allows to
+# what is taken. H100, 2026-12-07, float16 `bench_pallas_gpu.py`, forward+backward ms with fp32 / fp16 saved states:
+# 8x2048x16x128 2.946 / 2.443 (the gradient kernel 1.755 / 1.325), 2x8192x16x128 3.161 / 2.560 (and the forward
+# 0.813 / 0.656: its "split" output kernel reads the start states), 1x32768x16x128 7.010 / 5.882 (both with the
+# gradient kernel in V blocks of 16; 7.056 in blocks of 32); docs/kernels.md, "float16 saved states".
 INVERSE_STORAGE = "split"
-STATE_STORAGE = "bf16"
+STATE_STORAGE = {"bf16": "bf16", "fp16": "fp16"}
 # Per gradient method: the passes save u and dx for the gradient kernels (`Config.grads_from_passes`).
 GRADS_FROM_PASSES = {"fused": False, "staged": True, "merged": True}
 # Where the output leaves the forward pass (`Config.output_method`, `sequential_layout`). H100, 2026-11-24, device
@@ -1538,18 +1659,21 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
     sixteen_bit = jnp.dtype(q.dtype).itemsize == 2
     block_v, output_method, pass_stages = sequential_layout(q.shape[0] * v.shape[2], K, V, sixteen_bit=sixteen_bit)
     inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), by_dtype(STATE_DOTS), by_dtype(GRAD_K_DOTS)
-    rounded_states = rounds_states(grad_method, state_dots, grad_k_dots)
+    grad_block_v = min(grad_bv, V)
+    if state_dots == "fp16" and grad_method == "merged" and delta:
+        grad_block_v = min(grad_block_v, block_v)  # inside the passes' V block, for fp16 saved states
+    rounded_states = rounded_state_storage(grad_method, state_dots, grad_k_dots, block_v, grad_block_v, delta)
     return Config(
         scale=float(scale), chunk_size=chunk_size, key_heads=q.shape[2], value_heads=v.shape[2], delta=delta,
         segmented=segmented, gated=gated, dots=by_dtype(DOTS), state_dots=state_dots,
         inverse_dots=inverse_dots, grad_dots=by_dtype(GRAD_DOTS), grad_k_dots=grad_k_dots,
-        block_v=block_v, grad_block_v=min(grad_bv, V),
+        block_v=block_v, grad_block_v=grad_block_v,
         grad_block_k=min(grad_bk or K, K),
         grad_method=grad_method, warps=4, grad_warps=4, grad_k_warps=grad_k_warps,
         grad_k_stages=STAGED_GRAD_K_STAGES if grad_method == "staged" else None,
         inverse_warps=INVERSE_WARPS, inverse_method=FP32_INVERSE_METHOD if fp32 else INVERSE_METHOD, stages=2,
         interpret=interpret, inverse_storage=INVERSE_STORAGE if inverse_dots == "split" else "fp32",
-        state_storage=STATE_STORAGE if rounded_states else "fp32", grads_from_passes=GRADS_FROM_PASSES[grad_method],
+        state_storage=STATE_STORAGE.get(rounded_states, "fp32"), grads_from_passes=GRADS_FROM_PASSES[grad_method],
         output_method=output_method, pass_stages=pass_stages,
         # The passes read T's bf16 pair where T's products are "split" and (measured, "Sixth session") it was
         # faster: the state pass of "split" always, the reverse pass with one program per SM.
@@ -1565,8 +1689,9 @@ def replace_config(cfg, **changes):
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)} | changes
     if "inverse_storage" not in changes and fields["inverse_dots"] != "split":
         fields["inverse_storage"] = "fp32"
-    if "state_storage" not in changes and not rounds_states(fields["grad_method"], fields["state_dots"],
-                                                             fields["grad_k_dots"]):
+    if "state_storage" not in changes and fields["state_storage"] != rounded_state_storage(
+            fields["grad_method"], fields["state_dots"], fields["grad_k_dots"], fields["block_v"],
+            fields["grad_block_v"], fields["delta"]):
         fields["state_storage"] = "fp32"
     if "grads_from_passes" not in changes:
         fields["grads_from_passes"] = GRADS_FROM_PASSES.get(fields["grad_method"], False)

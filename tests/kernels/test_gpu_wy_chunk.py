@@ -299,13 +299,15 @@ def test_bf16_default_config_in_interpreter():
     _check(_round_trip_bf16(x), "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)
 
 
-def test_fp16_default_config_in_interpreter():
-    """float16 inputs (fp16 products against scaled fp32 partners, fp16 outputs) at the 16-bit bounds, on the same
-    rounded inputs; `test_gpu_fp16_matches_scan` is the same check on a GPU."""
+@pytest.mark.parametrize("op", dispatch.OPS)
+def test_fp16_default_config_in_interpreter(op):
+    """float16 inputs (fp16 products against scaled fp32 partners, fp16 outputs; the delta rule's saved states in
+    fp16 at these sizes) at the 16-bit bounds, on the same rounded inputs; `test_gpu_fp16_matches_scan` is the same
+    check on a GPU."""
     x = rule_inputs(fresh_key(), B=1, T=130, H=1, Hv=2, K=32, V=32, beta_max=2.0, packed=True,
                     with_initial_state=True)
     x["scale"] = 32 ** -0.5
-    _check(_round_trip(x, jnp.float16), "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)
+    _check(_round_trip(x, jnp.float16), op, BF16_OUT_TOL, _bf16_grad_tol)
 
 
 @pytest.mark.parametrize("op", dispatch.OPS)
@@ -318,6 +320,52 @@ def test_fp16_states_beyond_fp16_range(op):
     x = dict(x, q=1e-3 * x["q"], k=jnp.abs(x["k"]), v=3000.0 + 100.0 * x["v"], initial_state=1e5 * x["initial_state"])
     x["scale"] = 32 ** -0.5
     _check(_round_trip(x, jnp.float16), op, BF16_OUT_TOL, None)
+
+
+# float16 inputs' saved states as the "fp16" products read them (`Config.state_storage="fp16"`): each tile of the
+# passes' V blocks scaled into fp16's range and rounded, with its factor. Forced here at BV 32 with two V blocks
+# (the default takes it where the passes' V block holds the gradient kernel's, `rounded_state_storage`).
+FP16_STATES = {method: dict(block_v=32, state_storage="fp16", output_method=method)
+               for method in wy_chunk.OUTPUT_METHODS}
+
+
+@pytest.mark.parametrize("output", list(FP16_STATES))
+@pytest.mark.parametrize("family", [None, "correlated_keys_decay_near_0"])
+def test_fp16_saved_states_in_interpreter(family, output):
+    """The gradients with fp16 saved states at the 16-bit bounds, packed with an initial state or on correlated keys
+    with beta near 2, and within 2e-3 of the same config's with fp32 saved states: the products that read them see
+    the tile they would have scaled and rounded themselves (dq, dv and dbeta came out equal on the CPU), but for
+    dk's state terms, which round both operands to bf16 and so round the fp16 tile a second time."""
+    if family is None:
+        x = rule_inputs(fresh_key(), B=1, T=130, H=1, Hv=2, K=32, V=64, beta_max=2.0, packed=True,
+                        with_initial_state=True)
+    else:
+        x = _adversarial(fresh_key(), family, B=1, T=130, H=1, Hv=2, K=32, V=64)
+    x = _round_trip(dict(x, scale=32 ** -0.5), jnp.float16)
+    fn = _kernel(FP16_STATES[output])
+    _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol, fn=fn)
+    with_fp32_states = _grads(_kernel(dict(FP16_STATES[output], state_storage="fp32")), x, "delta_rule")
+    for name, grad in _grads(fn, x, "delta_rule").items():
+        assert relative_error(grad, with_fp32_states[name]) <= 2e-3, name
+
+
+@pytest.mark.parametrize("batch,dtype,delta,expected", [
+    (2, "float16", True, ("fp16", 32)),  # passes and gradient kernel in V blocks of 32
+    (1, "float16", True, ("fp16", 16)),  # passes in V blocks of 16: the gradient kernel too
+    (1, "float16", False, ("fp32", 32)),  # linear attention's gradients run the "staged" kernels
+    (2, "bfloat16", True, ("bf16", 32)),
+    (2, "float32", True, ("fp32", 32)),
+])
+def test_saved_state_storage_by_dtype_and_blocks(batch, dtype, delta, expected):
+    x = rule_inputs(fresh_key(), B=batch, T=1, H=16, K=128, V=128)
+    q, v = x["q"].astype(dtype), x["v"].astype(dtype)
+    cfg = default_config(q, v, scale=1.0, chunk_size=64, delta=delta, segmented=False, interpret=True)
+    assert (cfg.state_storage, cfg.grad_block_v) == expected
+    if dtype == "float16":
+        wider = 2 * cfg.block_v  # a gradient tile across two of the passes' V blocks
+        for changes in [dict(grad_block_v=wider)] if delta else [dict(), dict(grad_block_v=cfg.block_v)]:
+            with pytest.raises(ValueError, match="state_storage='fp16' needs"):
+                wy_chunk.replace_config(cfg, state_storage="fp16", **changes)
 
 
 # bf16 operands where the correlated-keys case tolerates them (`Config.grad_k_dots`: part 2's products with S_0,
@@ -561,6 +609,15 @@ def test_lowers_for_cuda_every_supported_config(index, op):
         assert _lower_for_cuda(op, **dict(case, dtype=jnp.dtype(dtype))) == kernels, case
 
 
+@pytest.mark.parametrize("output", list(FP16_STATES))
+def test_fp16_saved_states_lower_for_cuda(output):
+    """fp16 saved states with their factors, float16 inputs, K = V = 128 and K = 64, V = 256 (both all masks)."""
+    for K, V in ((128, 128), (64, 256)):
+        kernels = _kernel_count("delta_rule", "merged", output, wy_chunk.default_reverse_scores(4, K, V,
+                                                                                               sixteen_bit=True))
+        assert _lower_for_cuda("delta_rule", K, V, jnp.float16, grad=FP16_STATES[output]) == kernels, (K, V)
+
+
 # Head sizes for the gradient variants: every size as K and as V, both square and both lopsided extremes.
 VARIANT_HEAD_DIMS = tuple((d, d) for d in pallas_gpu.HEAD_DIMS) + (
     (min(pallas_gpu.HEAD_DIMS), max(pallas_gpu.HEAD_DIMS)), (max(pallas_gpu.HEAD_DIMS), min(pallas_gpu.HEAD_DIMS)))
@@ -683,6 +740,15 @@ def test_gpu_adversarial_fp16(family):
     x = _round_trip(_adversarial(fresh_key(), family, B=2, T=500, H=2, Hv=4, K=128, V=128), jnp.float16)
     x["scale"] = 128 ** -0.5
     _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol)
+
+
+@gpu_only
+@pytest.mark.parametrize("output", list(FP16_STATES))
+@pytest.mark.parametrize("family", ADVERSARIAL)
+def test_gpu_adversarial_fp16_saved_states(family, output):
+    x = _round_trip(_adversarial(fresh_key(), family, B=2, T=500, H=2, Hv=4, K=128, V=128), jnp.float16)
+    x["scale"] = 128 ** -0.5
+    _check(x, "delta_rule", BF16_OUT_TOL, _bf16_grad_tol, fn=_kernel(FP16_STATES[output]))
 
 
 @gpu_only

@@ -795,6 +795,11 @@ def _grouped_u(outputs):
     return tuple(outputs) if len(outputs) == 2 else outputs[0] if outputs else None
 
 
+def _state_arrays(states):
+    """The arrays of one set of saved states as `_grouped_states` groups them: (array,) or (tiles, factors)."""
+    return states if isinstance(states, tuple) else (states,)
+
+
 def _grouped_states(cfg, outputs):
     """(saved states, the outputs after them) from a pass's outputs after its state block: the saved states as one
     value, the array or for "fp16" storage the tuple (tiles, factors)."""
@@ -841,7 +846,7 @@ def _output_pass(cfg, q, k, u, g, doc, carry, starts, out_dtype):
     """O of every chunk, chunk-parallel: grid (V/BV, chunks, B*Hv) with BV = `cfg.output_block_v`. u: fp32, v (linear
     attention), or a tuple of u's bf16 halves; `starts` as `_state_pass` returns them."""
     u = u if isinstance(u, tuple) else (u,)
-    starts = starts if isinstance(starts, tuple) else (starts,)
+    starts = _state_arrays(starts)
     B, Tp, H, K = q.shape
     Hv, V = u[0].shape[2], u[0].shape[3]
     BV = min(cfg.output_block_v, V)
@@ -1349,8 +1354,7 @@ def _grads(cfg, q, k, v, beta, t, g, doc, carry, tail, starts, dends, do, saved=
         if BK != K:
             raise ValueError(f"grad_method='merged' writes whole rows of dq and dk: grad_block_k must be K = {K}, "
                              f"got {cfg.grad_block_k}")
-        # The saved states: one array each, or for "fp16" storage (tiles, factors) each.
-        states = [x for value in (starts, dends) for x in (value if isinstance(value, tuple) else (value,))]
+        states = _state_arrays(starts) + _state_arrays(dends)
         factor_spec = pl.BlockSpec((None, None, None, V), lambda j, i, bh: (bh // Hv, bh % Hv, i, 0))
         state_specs = [chunk_state_spec, factor_spec][:len(states) // 2] * 2
         dq, dk, dv, dbeta, dlog = _chunk_parallel_call(

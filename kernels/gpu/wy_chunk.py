@@ -1586,13 +1586,12 @@ STAGED_GRAD_K_STAGES = 1
 # its products are "split"; the saved states and end-state cotangents in bf16 whenever every product reading them
 # rounds them to bf16 (bfloat16 inputs), and in fp16 tiles with their factors wherever every product reading them
 # is an "fp16" one on whole tiles of the passes' V blocks (float16 inputs; the "merged" gradient kernel then takes
-# the passes' V block where it is narrower than its own). STATE_STORAGE maps what `rounded_state_storage` allows to
-# what is taken. H100, 2026-12-07, float16 `bench_pallas_gpu.py`, forward+backward ms with fp32 / fp16 saved states:
-# 8x2048x16x128 2.946 / 2.443 (the gradient kernel 1.755 / 1.325), 2x8192x16x128 3.161 / 2.560 (and the forward
-# 0.813 / 0.656: its "split" output kernel reads the start states), 1x32768x16x128 7.010 / 5.882 (both with the
-# gradient kernel in V blocks of 16; 7.056 in blocks of 32); docs/kernels.md, "float16 saved states".
+# the passes' V block where it is narrower than its own), as `rounded_state_storage` allows. H100, 2026-12-07,
+# float16 `bench_pallas_gpu.py`, forward+backward ms with fp32 / fp16 saved states: 8x2048x16x128 2.946 / 2.443 (the
+# gradient kernel 1.755 / 1.325), 2x8192x16x128 3.161 / 2.560 (and the forward 0.813 / 0.656: its "split" output
+# kernel reads the start states), 1x32768x16x128 7.010 / 5.882 (both with the gradient kernel in V blocks of 16;
+# 7.056 in blocks of 32); docs/kernels.md, "float16 saved states".
 INVERSE_STORAGE = "split"
-STATE_STORAGE = {"bf16": "bf16", "fp16": "fp16"}
 # Per gradient method: the passes save u and dx for the gradient kernels (`Config.grads_from_passes`).
 GRADS_FROM_PASSES = {"fused": False, "staged": True, "merged": True}
 # Where the output leaves the forward pass (`Config.output_method`, `sequential_layout`). H100, 2026-11-24, device
@@ -1664,9 +1663,11 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
     block_v, output_method, pass_stages = sequential_layout(q.shape[0] * v.shape[2], K, V, sixteen_bit=sixteen_bit)
     inverse_dots, state_dots, grad_k_dots = mode(INVERSE_DOTS), by_dtype(STATE_DOTS), by_dtype(GRAD_K_DOTS)
     grad_block_v = min(grad_bv, V)
-    if state_dots == "fp16" and grad_method == "merged" and delta:
-        grad_block_v = min(grad_block_v, block_v)  # inside the passes' V block, for fp16 saved states
-    rounded_states = rounded_state_storage(grad_method, state_dots, grad_k_dots, block_v, grad_block_v, delta)
+    # fp16 saved states need the gradient kernel's V block inside the passes': narrowed to theirs where that buys them.
+    rounded = functools.partial(rounded_state_storage, grad_method, state_dots, grad_k_dots, block_v, delta=delta)
+    if rounded(min(grad_block_v, block_v)) == "fp16":
+        grad_block_v = min(grad_block_v, block_v)
+    rounded_states = rounded(grad_block_v)
     return Config(
         scale=float(scale), chunk_size=chunk_size, key_heads=q.shape[2], value_heads=v.shape[2], delta=delta,
         segmented=segmented, gated=gated, dots=by_dtype(DOTS), state_dots=state_dots,
@@ -1677,7 +1678,7 @@ def default_config(q, v, *, scale, chunk_size, delta, segmented, interpret, gate
         grad_k_stages=STAGED_GRAD_K_STAGES if grad_method == "staged" else None,
         inverse_warps=INVERSE_WARPS, inverse_method=FP32_INVERSE_METHOD if fp32 else INVERSE_METHOD, stages=2,
         interpret=interpret, inverse_storage=INVERSE_STORAGE if inverse_dots == "split" else "fp32",
-        state_storage=STATE_STORAGE.get(rounded_states, "fp32"), grads_from_passes=GRADS_FROM_PASSES[grad_method],
+        state_storage=rounded_states or "fp32", grads_from_passes=GRADS_FROM_PASSES[grad_method],
         output_method=output_method, pass_stages=pass_stages,
         # The passes read T's bf16 pair where T's products are "split" and (measured, "Sixth session") it was
         # faster: the state pass of "split" always, the reverse pass with one program per SM.

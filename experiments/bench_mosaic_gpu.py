@@ -55,6 +55,8 @@ VARIANTS = {
     "shared_head_p_after_u": dict(warpgroups=2, p_during_u=False),
     "query_state_early": dict(query_state_late=False),  # Q S_0 with K S_0 (the default until 2026-11-26 05:47)
     "one_warpgroup_query_state_early": dict(warpgroups=1, query_state_late=False),
+    # One pipeline stage: the layout an fp16 pass with q's and k's bf16 pairs would fit in (docs/mosaic.md, item 5).
+    "one_warpgroup_stages1": dict(warpgroups=1, stages=1),
     # Narrower state blocks (V/BV CTAs per head, one warpgroup each), for calls with few heads.
     "block_v32": dict(warpgroups=1, block_v=32),
     "block_v16": dict(warpgroups=1, block_v=16),
